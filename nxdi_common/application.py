@@ -1,0 +1,187 @@
+"""NeuronBaseForCausalLM: a causal LM made of a context-encoding (CTE) and a token-generation (TKG)
+sub-model sharing one KV cache. forward() routes sequences that start at position 0 to CTE and the
+rest to TKG (NxD Inference API reference, "NeuronBaseForCausalLM")."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nxdi_common.application_base import NeuronApplicationBase
+from nxdi_common.model_wrapper import (CONTEXT_ENCODING_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG,
+                                       ModelWrapper)
+from nxdi_common.modules.sampling import SamplingRandomSource, sampling_params_from_config
+
+
+@dataclass
+class CausalLMOutput:
+    """tokens [B] when sampling on device; logits [B, vocab] float32 of the last position when not
+    sampling on device, or when output_logits is set."""
+
+    logits: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+
+
+class NeuronBaseForCausalLM(NeuronApplicationBase):
+    """Application class for text generation with CTE and TKG sub-models."""
+
+    def __init__(self, model_path, config=None, neuron_config=None):
+        super().__init__(model_path, config, neuron_config)
+        args = self.get_compiler_args()
+        self.context_encoding_model = ModelWrapper(self.config, self._model_cls,
+                                                   CONTEXT_ENCODING_MODEL_TAG, args)
+        self.token_generation_model = ModelWrapper(self.config, self._model_cls,
+                                                   TOKEN_GENERATION_MODEL_TAG, args)
+        self.models = [self.context_encoding_model, self.token_generation_model]
+        odsc = self.neuron_config.on_device_sampling_config
+        self.random_source = SamplingRandomSource.from_config(odsc) if odsc else None
+        self.kv_cache = None
+        self.kv_cache_populated = False
+        self.next_positions = torch.zeros(self.neuron_config.max_batch_size, dtype=torch.long)
+
+    def _on_loaded(self) -> None:
+        self.kv_cache = self._model.kv_mgr.allocate()
+        self.reset()
+        if not self.neuron_config.skip_warmup:
+            self.warmup()
+        self.reset_kv_cache()
+
+    @torch.no_grad()
+    def warmup(self) -> None:
+        """Run every bucket once so the first request does not pay one-time costs."""
+        for wrapper in self.models:
+            for key, example in zip(wrapper.bucket_keys(), wrapper.input_generator()):
+                wrapper.runnables[key](*example, self.kv_cache, self.weights)
+
+    def reset(self) -> None:
+        """After a reset the next forward runs context encoding."""
+        self.kv_cache_populated = False
+        self.next_positions.zero_()
+        if self.random_source is not None:
+            self.random_source.reset()
+
+    def reset_kv_cache(self) -> None:
+        """Zero the KV cache (and reset)."""
+        if self.kv_cache is not None:
+            self.kv_cache.zero_()
+        self.reset()
+
+    @property
+    def scratch(self) -> tuple[int, int]:
+        mgr = self._model.kv_mgr
+        return getattr(mgr, "scratch_row", 0), getattr(mgr, "scratch_block", 0)
+
+    @torch.no_grad()
+    def forward(self, input_ids=None, seq_ids=None, attention_mask=None, position_ids=None,
+                sampling_params=None, prev_hidden=None, past_key_values=None, inputs_embeds=None,
+                labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
+                medusa_args=None, return_dict=None, input_capture_hook=None, slot_mapping=None,
+                block_table=None) -> CausalLMOutput:
+        """Run CTE when the sequences start at position 0 (or the cache is empty), else TKG.
+        input_ids [B, S]; seq_ids [B] (cache rows, default 0..B-1); attention_mask [B, S] (left or
+        right padding); sampling_params [B, 3] (top_k, top_p, temperature); slot_mapping [B, S]
+        and block_table [B, blocks] for the block KV layout (default: contiguous blocks per row)."""
+        if self.kv_cache is None:
+            raise RuntimeError("model is not loaded: call to_cpu(), or compile() then load()")
+        for name, value in (("inputs_embeds", inputs_embeds), ("labels", labels),
+                            ("medusa_args", medusa_args), ("prev_hidden", prev_hidden)):
+            if value is not None:
+                raise NotImplementedError(f"{name} is not supported by this model")
+        if input_capture_hook is not None:
+            input_capture_hook(self, [input_ids, attention_mask, position_ids, seq_ids, sampling_params])
+        seq_ids = self._seq_ids(input_ids, seq_ids)
+        if self._is_context(input_ids, position_ids):
+            return self._run_context(input_ids, attention_mask, seq_ids, sampling_params,
+                                     slot_mapping, block_table)
+        return self._run_token_gen(input_ids, position_ids, seq_ids, sampling_params, slot_mapping,
+                                   block_table)
+
+    def _seq_ids(self, input_ids, seq_ids) -> torch.Tensor:
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a [batch, seq] integer tensor")
+        b = input_ids.shape[0]
+        seq_ids = torch.arange(b, dtype=torch.int32) if seq_ids is None else seq_ids.to(torch.int32)
+        limit = self.neuron_config.max_batch_size
+        if seq_ids.shape != (b,) or int(seq_ids.min()) < 0 or int(seq_ids.max()) >= limit:
+            raise ValueError(f"seq_ids must be {b} distinct ids in [0, {limit}) (max_batch_size)")
+        return seq_ids
+
+    def _is_context(self, input_ids, position_ids) -> bool:
+        if position_ids is not None:
+            return int(position_ids[:, 0].min()) == 0
+        return input_ids.shape[1] > 1 or not self.kv_cache_populated
+
+    def _sampling_inputs(self, batch: int, sampling_params):
+        """sampling_params [B, 3] and rand [B] for the graph."""
+        odsc = self.neuron_config.on_device_sampling_config
+        if sampling_params is None:
+            sampling_params = sampling_params_from_config(odsc, batch) if odsc else torch.ones(batch, 3)
+        rand = self.random_source.draw(batch) if self.random_source else torch.zeros(batch)
+        return sampling_params.to(torch.float32), rand
+
+    def _run_context(self, input_ids, attention_mask, seq_ids, sampling_params, slots, table):
+        ids, mask, lengths = right_align(input_ids, attention_mask)
+        b, s = ids.shape
+        positions = torch.arange(s).expand(b, s).contiguous()
+        slots, table = self._block_indices(seq_ids, positions, mask, slots, table)
+        params, rand = self._sampling_inputs(b, sampling_params)
+        inputs = (ids, mask, positions, seq_ids, params, rand, slots, table)
+        outputs = self.context_encoding_model(inputs, self.kv_cache, self.weights, self.scratch)
+        self.next_positions[seq_ids.long()] = lengths
+        self.kv_cache_populated = True
+        return self._output(outputs)
+
+    def _run_token_gen(self, input_ids, position_ids, seq_ids, sampling_params, slots, table):
+        if input_ids.shape[1] != 1:
+            raise ValueError("token generation takes one new token per sequence (input_ids [B, 1])")
+        if position_ids is None:
+            position_ids = self.next_positions[seq_ids.long()].unsqueeze(1)
+        position_ids = position_ids[:, -1:].long()
+        if int(position_ids.max()) >= self.neuron_config.seq_len:
+            raise ValueError(f"position {int(position_ids.max())} is past seq_len "
+                             f"{self.neuron_config.seq_len}; the sequence is full")
+        b = input_ids.shape[0]
+        mask = torch.ones(b, 1, dtype=torch.long)
+        slots, table = self._block_indices(seq_ids, position_ids, mask, slots, table)
+        params, rand = self._sampling_inputs(b, sampling_params)
+        inputs = (input_ids.long(), mask, position_ids, seq_ids, params, rand, slots, table)
+        outputs = self.token_generation_model(inputs, self.kv_cache, self.weights, self.scratch)
+        self.next_positions[seq_ids.long()] = position_ids[:, 0] + 1
+        return self._output(outputs)
+
+    def _block_indices(self, seq_ids, positions, mask, slots, table):
+        """slot_mapping / block_table for the block layout (contiguous default), dummies for flat."""
+        nc = self.neuron_config
+        b = positions.shape[0]
+        if not nc.is_block_kv_layout:
+            return torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1, dtype=torch.long)
+        if slots is not None and table is not None:
+            return slots.long(), table.long()
+        bs, per_seq = nc.pa_block_size, -(-nc.seq_len // nc.pa_block_size)
+        if nc.pa_num_blocks < nc.max_batch_size * per_seq:
+            raise ValueError("pass slot_mapping and block_table: pa_num_blocks is too small for a "
+                             "contiguous block range per sequence")
+        table = seq_ids.long().unsqueeze(1) * per_seq + torch.arange(per_seq)  # [B, per_seq]
+        slots = table.gather(1, positions // bs) * bs + positions % bs
+        slots = torch.where(mask.bool(), slots, torch.full_like(slots, self.scratch[1] * bs))
+        return slots, table
+
+    def _output(self, outputs) -> CausalLMOutput:
+        if self.neuron_config.on_device_sampling_config is None:
+            return CausalLMOutput(logits=outputs[0])
+        return CausalLMOutput(tokens=outputs[0], logits=outputs[1] if len(outputs) > 1 else None)
+
+
+def right_align(input_ids, attention_mask):
+    """Move each row's real tokens (attention_mask == 1) to the front, in order, and trim the batch
+    to its longest row: (ids [B, S], mask [B, S], lengths [B])."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    mask = attention_mask.long()
+    lengths = mask.sum(1)
+    if int(lengths.min()) < 1:
+        raise ValueError("every row needs at least one token (attention_mask row of zeros)")
+    order = torch.argsort(1 - mask, dim=1, stable=True)
+    s = int(lengths.max())
+    ids = (input_ids.long().gather(1, order) * mask.gather(1, order))[:, :s]
+    return ids.contiguous(), mask.gather(1, order)[:, :s].contiguous(), lengths

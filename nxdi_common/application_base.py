@@ -1,0 +1,191 @@
+"""NeuronApplicationBase: configuration, weights, and the compile / load / to_cpu life cycle shared
+by every application model (NxD Inference API reference, "NeuronApplicationBase")."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from nxdi_common import checkpoint
+from nxdi_common.backends import get_backend
+from nxdi_common.backends.compile_cache import CompileCache, cache_key, code_fingerprint
+from nxdi_common.backends.cpu import EagerBackend
+from nxdi_common.backends.weights import unique_parameters, weights_tuple
+from nxdi_common.config import InferenceConfig, load_pretrained_config
+
+MANIFEST = "nxdi_manifest.json"
+SHARDED_WEIGHTS = Path("weights") / "tp0_sharded_checkpoint.safetensors"
+
+
+class NeuronApplicationBase(nn.Module):
+    """Entry point for running a model: holds the config, the sub-models (`models`, a list of
+    ModelWrapper) and, once built, the torch model with its weights and the per-bucket runnables."""
+
+    _model_cls = None
+    _STATE_DICT_MODEL_PREFIX = "model."
+    _NEW_STATE_DICT_MODEL_PREFIX = ""
+
+    def __init__(self, model_path, config: InferenceConfig | None = None, neuron_config=None):
+        super().__init__()
+        if config is None:
+            config_cls = self.get_config_cls()
+            neuron_config = neuron_config or config_cls.get_neuron_config_cls()()
+            config = config_cls(neuron_config, load_config=load_pretrained_config(model_path))
+        self.validate_config(config)
+        self.config, self.neuron_config = config, config.neuron_config
+        self.model_path = str(model_path)
+        self.models: list = []
+        self.is_compiled = self.is_loaded_to_neuron = False
+        self.backend = None
+        self._model = None
+        self.weights: tuple = ()
+        self.compile_cache = CompileCache(enabled=True)
+
+    @classmethod
+    def get_config_cls(cls):
+        return InferenceConfig
+
+    @classmethod
+    def validate_config(cls, config) -> None:
+        if getattr(config, "neuron_config", None) is None:
+            raise ValueError("config.neuron_config is required (pass a NeuronConfig)")
+
+    def get_compiler_args(self):
+        """Compiler arguments for the backend; none by default."""
+        return None
+
+    # -- weights -------------------------------------------------------------------------------
+    @classmethod
+    def get_state_dict(cls, model_path, config) -> dict:
+        """Checkpoint tensors (memory-mapped), prefix-renamed, converted and cast."""
+        sd = checkpoint.load_state_dict(model_path)
+        sd = checkpoint.rename_prefix(sd, cls._STATE_DICT_MODEL_PREFIX, cls._NEW_STATE_DICT_MODEL_PREFIX)
+        sd = cls.convert_hf_to_neuron_state_dict(sd, config)
+        nc = config.neuron_config
+        return checkpoint.cast_state_dict(sd, nc.torch_dtype, nc.cast_type)
+
+    @staticmethod
+    def convert_hf_to_neuron_state_dict(state_dict: dict, config) -> dict:
+        return state_dict
+
+    def _build_model(self, state_dict: dict) -> None:
+        """Build the torch model on the meta device and assign the given tensors as its weights."""
+        with torch.device("meta"):
+            model = self._model_cls(self.config)
+        expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)[:8]}, "
+                             f"unexpected {sorted(unexpected)[:8]}")
+        model.load_state_dict(state_dict, strict=True, assign=True)
+        self._model = model.eval()
+        for wrapper in self.models:
+            wrapper.model = model
+        self.weights = weights_tuple(model)
+
+    def shard_weights(self, compiled_model_path) -> None:
+        """Save the converted, cast weights into the compiled model folder (tp_degree 1 on CPU)."""
+        sd = {name: p.detach() for name, p in unique_parameters(self._model)}
+        target = Path(compiled_model_path) / SHARDED_WEIGHTS
+        target.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.save_state_dict(sd, target.parent, format="safetensors")
+        os.replace(target.parent / "model.safetensors", target)
+
+    def load_weights(self, compiled_model_path) -> None:
+        """Load weights: the compiled folder's sharded checkpoint when present, else model_path."""
+        sharded = Path(compiled_model_path) / SHARDED_WEIGHTS if compiled_model_path else None
+        if sharded is not None and sharded.is_file():
+            from safetensors.torch import load_file
+            sd = load_file(str(sharded))
+            if "lm_head.weight" not in sd and "embed_tokens.weight" in sd:
+                sd["lm_head.weight"] = sd["embed_tokens.weight"]  # tied: saved once
+        else:
+            sd = self.get_state_dict(self.model_path, self.config)
+        self._build_model(sd)
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def to_cpu(self) -> None:
+        """Run entirely on CPU, eagerly (no tracing)."""
+        self.load_weights(None)
+        self.backend = EagerBackend()
+        for wrapper in self.models:
+            wrapper.runnables = {k: wrapper.graph_fn(k[1], weights_as_inputs=False)
+                                 for k in wrapper.bucket_keys()}
+        self._on_loaded()
+
+    def compile(self, compiled_model_path, debug: bool = False) -> None:
+        """Trace/compile every (sub-model, bucket) into `compiled_model_path`, with
+        neuron_config.json, the manifest and (save_sharded_checkpoint) the weights. Written to a
+        temporary folder first: a failure leaves no half-written model folder behind."""
+        target = Path(compiled_model_path)
+        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            self._compile_into(tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.is_compiled = True
+
+    def _compile_into(self, path: Path) -> None:
+        backend = get_backend(self.neuron_config.backend)
+        if self._model is None:
+            self.load_weights(None)
+        kv_cache = self._model.kv_mgr.allocate()
+        manifest = {"backend": backend.name, "backend_version": backend.version,
+                    "weights": [n for n, _ in unique_parameters(self._model)], "artifacts": {}}
+        common = dict(config_json=self.config.to_json_string(), backend_version=backend.version,
+                      code=code_fingerprint())
+        for wrapper in self.models:
+            for key, example in zip(wrapper.bucket_keys(), wrapper.input_generator()):
+                rel = f"{wrapper.tag}/b{key[0]}_n{key[1]}{backend.artifact_suffix}"
+                dest = path / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                ck = cache_key(tag=wrapper.tag, bucket=key, compiler_args=wrapper.compiler_args, **common)
+                if not self.compile_cache.fetch(ck, backend.artifact_suffix, dest):
+                    backend.compile(wrapper.graph_fn(key[1]), example + (kv_cache, self.weights), dest,
+                                    wrapper.compiler_args)
+                    self.compile_cache.store(ck, backend.artifact_suffix, dest)
+                manifest["artifacts"].setdefault(wrapper.tag, {})[f"{key[0]}x{key[1]}"] = rel
+        self.config.save(str(path))
+        if self.neuron_config.save_sharded_checkpoint:
+            self.shard_weights(path)
+        (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        self.backend = backend
+
+    def load(self, compiled_model_path) -> None:
+        """Load compiled artifacts and weights; nothing is traced or compiled again."""
+        path = Path(compiled_model_path)
+        if not (path / MANIFEST).is_file():
+            raise FileNotFoundError(f"{path} is not a compiled model folder (no {MANIFEST}); "
+                                    "run compile() first")
+        manifest = json.loads((path / MANIFEST).read_text())
+        backend = get_backend(manifest["backend"])
+        self.load_weights(path)
+        names = [n for n, _ in unique_parameters(self._model)]
+        if names != manifest["weights"]:
+            raise ValueError(f"{path} was compiled for a different model layout; compile again")
+        for wrapper in self.models:
+            arts = manifest["artifacts"].get(wrapper.tag, {})
+            wanted = {f"{b}x{n}" for b, n in wrapper.bucket_keys()}
+            if set(arts) != wanted:
+                raise ValueError(f"{path} holds {wrapper.tag} buckets {sorted(arts)} but the config "
+                                 f"asks for {sorted(wanted)}; compile again with this config")
+            wrapper.runnables = {tuple(map(int, k.split("x"))): backend.load(path / rel)
+                                 for k, rel in arts.items()}
+        self.backend = backend
+        self._on_loaded()
+        self.is_loaded_to_neuron = True
+
+    def _on_loaded(self) -> None:
+        """Hook run after weights and runnables are in place (allocate state, warm up)."""
+
+    def reset(self) -> None:
+        """Reset model state; nothing by default."""

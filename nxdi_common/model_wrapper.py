@@ -1,0 +1,118 @@
+"""ModelWrapper: one sub-model (context encoding or token generation) of an application, with its
+buckets, the example inputs it is traced with (`input_generator`), and the per-call bucket choice
+and padding. The torch model and its weights are shared by all wrappers of an application."""
+from __future__ import annotations
+
+import torch
+
+from nxdi_common import bucketing
+
+CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
+TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
+
+
+def _pad(t: torch.Tensor, dim: int, size: int, value) -> torch.Tensor:
+    """Pad t along dim up to size with a constant value."""
+    missing = size - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t, torch.full(shape, value, dtype=t.dtype)], dim=dim)
+
+
+class ModelWrapper:
+    """A sub-model compiled per (batch, length) bucket. `runnables` maps a bucket key to a callable
+    taking (*graph_inputs, kv_cache, weights), installed by a backend."""
+
+    def __init__(self, config, model_cls, tag: str, compiler_args: str | None = None):
+        self.config, self.neuron_config = config, config.neuron_config
+        self.model_cls, self.tag, self.compiler_args = model_cls, tag, compiler_args
+        self.is_context = tag == CONTEXT_ENCODING_MODEL_TAG
+        nc = self.neuron_config
+        if self.is_context:
+            self.length_buckets = bucketing.context_encoding_buckets(nc)
+            self.batch_buckets = self._context_batch_buckets(nc)
+        else:
+            self.length_buckets = bucketing.token_generation_buckets(nc)
+            self.batch_buckets = bucketing.token_generation_batch_buckets(nc)
+        self.model = None
+        self.runnables: dict[tuple[int, int], object] = {}
+
+    @staticmethod
+    def _context_batch_buckets(nc) -> list[int]:
+        if nc.is_continuous_batching and nc.enable_bucketing:
+            return bucketing.generate_buckets(1, nc.ctx_batch_size) if nc.ctx_batch_size > 1 else [1]
+        return [nc.ctx_batch_size]
+
+    def bucket_keys(self) -> list[tuple[int, int]]:
+        return [(b, n) for b in self.batch_buckets for n in self.length_buckets]
+
+    def kv_len(self, length: int) -> int | None:
+        """Static cache length a token-generation bucket attends over (None for context)."""
+        if self.is_context:
+            return None
+        bs = self.neuron_config.pa_block_size if self.neuron_config.is_block_kv_layout else 1
+        return -(-length // bs) * bs
+
+    def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
+        """Example graph inputs, one tuple per bucket, in bucket_keys() order."""
+        return [self.example_inputs(b, n) for b, n in self.bucket_keys()]
+
+    def example_inputs(self, batch: int, length: int) -> tuple[torch.Tensor, ...]:
+        s = length if self.is_context else 1
+        positions = torch.arange(s).expand(batch, s) if self.is_context else \
+            torch.full((batch, 1), length - 1)
+        table_width = max(1, (self.kv_len(length) or length) // self._block_size())
+        return (torch.zeros(batch, s, dtype=torch.long), torch.ones(batch, s, dtype=torch.long),
+                positions.contiguous(), torch.arange(batch, dtype=torch.int32),
+                torch.ones(batch, 3), torch.zeros(batch), torch.zeros(batch, s, dtype=torch.long),
+                torch.zeros(batch, table_width, dtype=torch.long))
+
+    def _block_size(self) -> int:
+        return self.neuron_config.pa_block_size if self.neuron_config.is_block_kv_layout else 1
+
+    def select_bucket(self, batch: int, needed_length: int) -> tuple[int, int]:
+        what = "prompt length" if self.is_context else "sequence length"
+        length = bucketing.select_bucket(needed_length, self.length_buckets, what)
+        return bucketing.select_bucket(batch, self.batch_buckets, "batch size"), length
+
+    def graph_fn(self, length: int, weights_as_inputs: bool = True):
+        """The function run for a bucket: (*8 graph inputs, kv_cache, weights) -> outputs. With
+        weights_as_inputs the model's parameters are taken from `weights` (for tracing); without,
+        the module's own parameters are used and `weights` is ignored (eager)."""
+        from nxdi_common.backends.weights import swapped_parameters
+        model, kv_len = self.model, self.kv_len(length)
+
+        def run(*args):
+            *inputs, kv_cache, weights = args
+            if not weights_as_inputs:
+                return model(*inputs, kv_cache, kv_len=kv_len)
+            with swapped_parameters(model, weights):
+                return model(*inputs, kv_cache, kv_len=kv_len)
+        return run
+
+    def __call__(self, inputs: tuple, kv_cache, weights, scratch: tuple[int, int]):
+        """Pad `inputs` (the 8 graph inputs, unpadded) to the chosen bucket, run, unpad."""
+        batch = inputs[0].shape[0]
+        needed = inputs[0].shape[1] if self.is_context else int(inputs[2].max()) + 1
+        key = self.select_bucket(batch, needed)
+        padded = self._pad_inputs(inputs, key, scratch)
+        outputs = self.runnables[key](*padded, kv_cache, weights)
+        return tuple(o[:batch] for o in outputs)
+
+    def _pad_inputs(self, inputs, key, scratch):
+        """Pad rows with the scratch sequence slot and columns with padding tokens; padded
+        positions of a real row continue its positions (they are never attended to)."""
+        b, n = key
+        ids, mask, pos, seq, params, rand, slots, table = inputs
+        s = n if self.is_context else 1
+        width = max(1, (self.kv_len(n) or n) // self._block_size())
+        scratch_row, scratch_block = scratch
+        slot_fill = scratch_block * self._block_size()
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, s - pos.shape[1] + 1)], dim=1)
+        rows = [_pad(_pad(ids, 1, s, 0), 0, b, 0), _pad(_pad(mask, 1, s, 0), 0, b, 0),
+                _pad(pos, 0, b, 0), _pad(seq, 0, b, scratch_row), _pad(params, 0, b, 1.0),
+                _pad(rand, 0, b, 0.0), _pad(_pad(slots, 1, s, slot_fill), 0, b, slot_fill),
+                _pad(_pad(table[:, :width], 1, width, scratch_block), 0, b, scratch_block)]
+        return tuple(rows)

@@ -1,0 +1,75 @@
+"""NeuronBaseModel: the traced body shared by every decoder-only model. Subclasses build the
+modules (`setup_attr_for_model`, `init_model`, `decoder_layer`); this class owns the forward that
+the context-encoding and token-generation graphs run, and the KV cache manager and sampler."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nxdi_common.modules.kv_cache import make_kv_cache_manager
+from nxdi_common.modules.sampling import Sampler
+
+# The positional tensors every graph takes, in order, before the KV cache and the weights.
+GRAPH_INPUT_NAMES = ("input_ids", "attention_mask", "position_ids", "seq_ids", "sampling_params",
+                     "rand", "slot_mapping", "block_table")
+
+
+class NeuronBaseModel(nn.Module):
+    """Embeddings, decoder layers, final norm, LM head, KV cache manager and on-device sampler."""
+
+    def __init__(self, config, optimize_inference: bool = True):
+        super().__init__()
+        self.config, self.neuron_config = config, config.neuron_config
+        self.setup_attr_for_model(config)
+        self.init_model(config)
+        self.kv_mgr = self.sampler = None
+        if optimize_inference:
+            self.kv_mgr = make_kv_cache_manager(self.neuron_config, len(self.layers),
+                                                self.kv_heads_in_cache, self.head_dim)
+            if self.on_device_sampling:
+                self.sampler = Sampler(self.neuron_config.on_device_sampling_config)
+
+    def setup_attr_for_model(self, config):
+        raise NotImplementedError("subclasses set on_device_sampling, hidden_size, heads, ...")
+
+    def init_model(self, config):
+        raise NotImplementedError("subclasses create embed_tokens, layers, norm, lm_head")
+
+    def forward(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params, rand,
+                slot_mapping, block_table, kv_cache, kv_len: int | None = None):
+        """One graph call. input_ids/attention_mask/position_ids [B, S]; seq_ids [B];
+        sampling_params [B, 3]; rand [B]; slot_mapping [B, S] and block_table [B, T/block] (block
+        layout only); kv_cache is updated in place. kv_len None = context encoding, else token
+        generation over the first kv_len cache positions. Returns (tokens,) or (tokens, logits)
+        with on-device sampling, else (logits,); logits are [B, vocab] float32 of the last token."""
+        index = (seq_ids, position_ids, slot_mapping, block_table)
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(position_ids, hidden.dtype)
+        mask = self._attention_mask(position_ids, kv_len)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, mask, kv_cache, i, self.kv_mgr, index, kv_len)
+        hidden = self._last_token(hidden, attention_mask, kv_len)  # [B, 1, hidden]
+        logits = self.lm_head(self.norm(hidden)).squeeze(1).float()  # [B, V]
+        if self.sampler is None:
+            return (logits,)
+        tokens = self.sampler(logits, sampling_params, rand)
+        return (tokens, logits) if self.neuron_config.output_logits else (tokens,)
+
+    @staticmethod
+    def _attention_mask(position_ids, kv_len):
+        """Boolean mask (True = attend): causal [1, 1, S, S] for context encoding; for token
+        generation [B, 1, S, kv_len] allowing cache positions up to each query's position."""
+        if kv_len is None:
+            s = position_ids.shape[1]
+            return torch.ones(s, s, dtype=torch.bool).tril().view(1, 1, s, s)
+        cache_pos = torch.arange(kv_len).view(1, 1, 1, kv_len)
+        return cache_pos <= position_ids.unsqueeze(1).unsqueeze(-1)
+
+    @staticmethod
+    def _last_token(hidden, attention_mask, kv_len):
+        """Hidden state of each row's last real token: [B, 1, hidden]."""
+        if kv_len is not None:
+            return hidden[:, -1:]
+        last = attention_mask.long().sum(-1, keepdim=True) - 1  # [B, 1], right padding
+        idx = last.clamp(min=0).unsqueeze(-1).expand(-1, 1, hidden.shape[-1])
+        return hidden.gather(1, idx)
