@@ -102,9 +102,19 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         b = input_ids.shape[0]
         seq_ids = torch.arange(b, dtype=torch.int32) if seq_ids is None else seq_ids.to(torch.int32)
         limit = self.neuron_config.max_batch_size
-        if seq_ids.shape != (b,) or int(seq_ids.min()) < 0 or int(seq_ids.max()) >= limit:
-            raise ValueError(f"seq_ids must be {b} distinct ids in [0, {limit}) (max_batch_size)")
+        if (seq_ids.shape != (b,) or int(seq_ids.min()) < 0 or int(seq_ids.max()) >= limit
+                or len(torch.unique(seq_ids)) != b):
+            raise ValueError(f"seq_ids must be {b} distinct ids in [0, {limit}) (max_batch_size); "
+                             f"got {seq_ids.tolist()}")
         return seq_ids
+
+    def _check_token_ids(self, ids) -> None:
+        """Token ids must index the vocabulary (an out-of-range id fails deep in the embedding)."""
+        vocab = self.config.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"token id {bad} is out of range: input_ids must be in [0, {vocab}) "
+                             f"(vocab_size)")
 
     def _is_context(self, input_ids, position_ids) -> bool:
         if position_ids is not None:
@@ -121,6 +131,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
 
     def _run_context(self, input_ids, attention_mask, seq_ids, sampling_params, slots, table):
         ids, mask, lengths = right_align(input_ids, attention_mask)
+        if slots is not None:  # the caller's slots follow input_ids' layout: move them alike
+            slots = right_align(slots, attention_mask)[0]
+        self._check_token_ids(ids)
         b, s = ids.shape
         positions = torch.arange(s).expand(b, s).contiguous()
         slots, table = self._block_indices(seq_ids, positions, mask, slots, table)
@@ -140,6 +153,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         if int(position_ids.max()) >= self.neuron_config.seq_len:
             raise ValueError(f"position {int(position_ids.max())} is past seq_len "
                              f"{self.neuron_config.seq_len}; the sequence is full")
+        self._check_token_ids(input_ids)
         b = input_ids.shape[0]
         mask = torch.ones(b, 1, dtype=torch.long)
         slots, table = self._block_indices(seq_ids, position_ids, mask, slots, table)
@@ -155,8 +169,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         b = positions.shape[0]
         if not nc.is_block_kv_layout:
             return torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1, dtype=torch.long)
-        if slots is not None and table is not None:
-            return slots.long(), table.long()
+        if slots is not None and table is not None:  # padding positions write to scratch
+            pad = torch.full_like(slots.long(), self.scratch[1] * nc.pa_block_size)
+            return torch.where(mask.bool(), slots.long(), pad), table.long()
         bs, per_seq = nc.pa_block_size, -(-nc.seq_len // nc.pa_block_size)
         if nc.pa_num_blocks < nc.max_batch_size * per_seq:
             raise ValueError("pass slot_mapping and block_table: pa_num_blocks is too small for a "

@@ -15,10 +15,16 @@ from nxdi_common.backends import get_backend
 from nxdi_common.backends.compile_cache import CompileCache, cache_key, code_fingerprint
 from nxdi_common.backends.cpu import EagerBackend
 from nxdi_common.backends.weights import unique_parameters, weights_tuple
-from nxdi_common.config import InferenceConfig, load_pretrained_config
+from nxdi_common.config import CONFIG_FILE, InferenceConfig, load_pretrained_config
 
 MANIFEST = "nxdi_manifest.json"
 SHARDED_WEIGHTS = Path("weights") / "tp0_sharded_checkpoint.safetensors"
+# Settings baked into the compiled graphs: load() refuses a folder compiled with other values.
+_GRAPH_NEURON_FIELDS = ("torch_dtype", "attention_dtype", "seq_len", "max_context_length",
+                        "tp_degree", "max_batch_size", "fused_qkv", "qk_layernorm", "output_logits",
+                        "is_block_kv_layout", "pa_block_size", "pa_num_blocks", "kv_cache_quant")
+_GRAPH_MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
+                       "num_key_value_heads", "num_hidden_layers", "vocab_size", "head_dim")
 
 
 class NeuronApplicationBase(nn.Module):
@@ -81,6 +87,12 @@ class NeuronApplicationBase(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)[:8]}, "
                              f"unexpected {sorted(unexpected)[:8]}")
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+        wrong = [f"{n} {tuple(state_dict[n].shape)} (config expects {shapes[n]})"
+                 for n in sorted(shapes) if tuple(state_dict[n].shape) != shapes[n]]
+        if wrong:
+            raise ValueError(f"checkpoint tensor shapes do not match the model config: {wrong[:8]}; "
+                             "check config.json (hidden_size, intermediate_size, heads, vocab_size)")
         model.load_state_dict(state_dict, strict=True, assign=True)
         self._model = model.eval()
         for wrapper in self.models:
@@ -167,6 +179,7 @@ class NeuronApplicationBase(nn.Module):
             raise FileNotFoundError(f"{path} is not a compiled model folder (no {MANIFEST}); "
                                     "run compile() first")
         manifest = json.loads((path / MANIFEST).read_text())
+        self._check_compiled_config(path)
         backend = get_backend(manifest["backend"])
         self.load_weights(path)
         names = [n for n, _ in unique_parameters(self._model)]
@@ -183,6 +196,26 @@ class NeuronApplicationBase(nn.Module):
         self.backend = backend
         self._on_loaded()
         self.is_loaded_to_neuron = True
+
+    def _check_compiled_config(self, path: Path) -> None:
+        """Raise ValueError when the folder was compiled with graph-shaping settings (dtype, lengths,
+        KV layout, sampling, model sizes) other than this model's: its graphs would not run."""
+        config_file = path / CONFIG_FILE
+        if not config_file.is_file():
+            return
+        saved = json.loads(config_file.read_text())
+        current = self.config.to_dict()
+        saved_nc, current_nc = saved.get("neuron_config") or {}, current.get("neuron_config") or {}
+        diffs = [f"{k}: compiled {saved_nc[k]!r}, config {current_nc.get(k)!r}"
+                 for k in _GRAPH_NEURON_FIELDS if k in saved_nc and saved_nc[k] != current_nc.get(k)]
+        if (saved_nc.get("on_device_sampling_config") is None) != \
+                (current_nc.get("on_device_sampling_config") is None):
+            diffs.append("on_device_sampling_config: set in one and not the other")
+        diffs += [f"{k}: compiled {saved[k]!r}, config {current.get(k)!r}"
+                  for k in _GRAPH_MODEL_FIELDS if k in saved and saved[k] != current.get(k)]
+        if diffs:
+            raise ValueError(f"{path} was compiled with a different configuration "
+                             f"({'; '.join(diffs)}); compile again with this config")
 
     def _on_loaded(self) -> None:
         """Hook run after weights and runnables are in place (allocate state, warm up)."""

@@ -37,11 +37,11 @@ class LlamaInferenceConfig(InferenceConfig):
             self.num_key_value_heads = self.num_attention_heads
 
     def validate_config(self):
-        super().validate_config()
-        model_type = getattr(self, "model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        model_type = getattr(self, "model_type", "llama")  # checked first: a GPT-2 config would
+        if model_type not in SUPPORTED_MODEL_TYPES:          # otherwise fail on missing attributes
             raise ValueError(f"model_type {model_type!r} is not a Llama-family model; supported: "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        super().validate_config()
         if getattr(self, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; Llama uses 'silu'")
         if getattr(self, "use_sliding_window", False):
