@@ -48,10 +48,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
 
     @torch.no_grad()
     def warmup(self) -> None:
-        """Run every bucket once so the first request does not pay one-time costs."""
+        """Run every bucket twice so the first requests do not pay one-time costs (TorchScript's
+        executor profiles a graph on its first call and optimizes it on the second)."""
         for wrapper in self.models:
             for key, example in zip(wrapper.bucket_keys(), wrapper.input_generator()):
-                wrapper.runnables[key](*example, self.kv_cache, self.weights)
+                for _ in range(2):
+                    wrapper.runnables[key](*example, self.kv_cache, self.weights)
 
     def reset(self) -> None:
         """After a reset the next forward runs context encoding."""
