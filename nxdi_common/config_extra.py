@@ -1,6 +1,6 @@
 """Configs for mixture-of-experts models, multi-LoRA serving and fused speculation.
 
-Every class here follows ``config.ConfigBase``: keyword construction with documented defaults,
+Every class here follows ``config_base.ConfigBase``: keyword construction with documented defaults,
 ValueErrors that say what to change, and a lossless ``to_dict``/``from_dict`` (which is how they
 travel inside ``neuron_config.json``). Classes and functions held in a config (a worker class, a
 weight-init function) are saved as ``"module:qualname"`` strings and imported back on load.
@@ -19,10 +19,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from nxdi_common.config import (
+from nxdi_common.config import InferenceConfig, NeuronConfig
+from nxdi_common.config_base import (
     ConfigBase,
-    InferenceConfig,
-    NeuronConfig,
     check_int,
     coerce_nested,
     object_path,
@@ -48,8 +47,9 @@ class GLUType(str, enum.Enum):
 
 
 def import_object(path: str) -> Any:
-    """Import the object named by ``"module:qualname"`` (the inverse of ``config.object_path``).
-    Only used on paths this library wrote into a config file, which is trusted like code."""
+    """Import the object named by ``"module:qualname"`` (the inverse of
+    ``config_base.object_path``). Only used on paths this library wrote into a config file, which
+    is trusted like code."""
     module_name, _, qualname = path.partition(":")
     if not module_name or not qualname:
         raise ValueError(f"expected 'module:qualname', got {path!r}")
