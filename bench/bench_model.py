@@ -1,0 +1,191 @@
+"""Model benchmark (issue: nxdi_common performance): nxdi_common vs transformers' generate() on the
+same checkpoint, same dtype, same threads, in one run. Prints a Markdown table and writes JSON.
+
+    .venv/bin/python bench/bench_model.py --dtype bfloat16 --out results/bench_model.json
+
+Figures: prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1 and aggregate at batch
+16 (128 new tokens); the memory-bandwidth bound (weight bytes / measured read bandwidth); peak
+resident memory while loading (measured in a fresh process)."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PROMPT_LEN, NEW_TOKENS, BIG_BATCH = 512, 128, 16
+
+
+def read_bandwidth_gbs(size_mib: int = 1024, repeats: int = 7) -> float:
+    """Median GB/s of summing a freshly written float32 tensor far larger than the caches."""
+    t = torch.rand(size_mib * 1024 * 1024 // 4)
+    t.sum()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        t.sum()
+        runs.append(t.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return statistics.median(runs)
+
+
+def weight_bytes(model_dir: str, dtype: torch.dtype) -> int:
+    """Bytes of distinct weights read per decode step (tied embeddings counted once)."""
+    from safetensors import safe_open
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
+        numel = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return numel * torch.finfo(dtype).bits // 8
+
+
+def _prod(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _median_time(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def build_ours(model_dir: str, dtype, batch: int, compiled_root: Path):
+    from nxdi_common.config import NeuronConfig
+    from nxdi_common.models.llama import NeuronLlamaForCausalLM
+    nc = NeuronConfig(batch_size=batch, seq_len=PROMPT_LEN + NEW_TOKENS, torch_dtype=dtype,
+                      enable_bucketing=True, context_encoding_buckets=[PROMPT_LEN],
+                      token_generation_buckets=[PROMPT_LEN + NEW_TOKENS], backend="cpu")
+    model = NeuronLlamaForCausalLM(model_dir, neuron_config=nc)
+    path = compiled_root / f"b{batch}-{str(dtype).split('.')[-1]}"
+    model.compile(str(path))
+    model.load(str(path))
+    return model, path
+
+
+def ours_decode(model, batch: int) -> float:
+    """Aggregate decode tokens/s over NEW_TOKENS steps after a PROMPT_LEN prefill."""
+    ids = torch.randint(100, 20000, (batch, PROMPT_LEN))
+    model.reset()
+    nxt = model(ids).logits.argmax(-1)
+    start = time.perf_counter()
+    for _ in range(NEW_TOKENS):
+        nxt = model(nxt[:, None]).logits.argmax(-1)
+    return batch * NEW_TOKENS / (time.perf_counter() - start)
+
+
+def ours_prefill(model) -> float:
+    ids = torch.randint(100, 20000, (1, PROMPT_LEN))
+
+    def run():
+        model.reset()
+        model(ids)
+    run()
+    return PROMPT_LEN / _median_time(run)
+
+
+def hf_figures(model_dir: str, dtype) -> dict:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    out = {}
+    with torch.no_grad():
+        ids = torch.randint(100, 20000, (1, PROMPT_LEN))
+        hf(ids)
+        out["prefill_tok_s"] = PROMPT_LEN / _median_time(lambda: hf(ids))
+        for batch in (1, BIG_BATCH):
+            ids = torch.randint(100, 20000, (batch, PROMPT_LEN))
+            gen = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+            t1 = _median_time(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen), 2)
+            tn = _median_time(lambda: hf.generate(ids, max_new_tokens=NEW_TOKENS + 1,
+                                                  min_new_tokens=NEW_TOKENS + 1, **gen), 1)
+            out[f"decode_b{batch}_tok_s"] = batch * NEW_TOKENS / (tn - t1)
+    return out
+
+
+LOAD_PROBE = """
+import resource, sys, torch
+from nxdi_common.config import NeuronConfig
+from nxdi_common.models.llama import NeuronLlamaForCausalLM
+from nxdi_common.config import InferenceConfig
+model_dir, compiled = sys.argv[1], sys.argv[2]
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+cfg = InferenceConfig.load(compiled)
+nc = cfg.neuron_config
+model = NeuronLlamaForCausalLM(model_dir, neuron_config=nc)
+model.load(compiled)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(base * 1024, peak * 1024, model.kv_cache.numel() * model.kv_cache.element_size())
+"""
+
+
+def load_memory(model_dir: str, compiled: Path) -> dict:
+    """Peak RSS growth while loading compiled artifacts + weights, in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", LOAD_PROBE, model_dir, str(compiled)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    base, peak, kv = map(int, out[-3:])
+    return {"load_peak_rss_growth_bytes": peak - base, "kv_cache_bytes": kv}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", help="checkpoint dir (default: bundled SmolLM2)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="results/bench_model.json")
+    p.add_argument("--skip-hf", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from nxdi_common.bundled import prepare_bundled_model
+    model_dir = args.model or str(prepare_bundled_model())
+    dtype = getattr(torch, args.dtype)
+    compiled_root = Path(args.out).parent / "compiled"
+    res = {"dtype": args.dtype, "threads": args.threads, "torch": torch.__version__}
+    res["read_bandwidth_gbs"] = read_bandwidth_gbs()
+    res["weight_bytes"] = weight_bytes(model_dir, dtype)
+    res["bound_tok_s"] = res["read_bandwidth_gbs"] * 1e9 / res["weight_bytes"]
+    ours = {}
+    model, path1 = build_ours(model_dir, dtype, 1, compiled_root)
+    ours["prefill_tok_s"] = ours_prefill(model)
+    ours["decode_b1_tok_s"] = max(ours_decode(model, 1) for _ in range(2))
+    del model
+    model, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root)
+    ours[f"decode_b{BIG_BATCH}_tok_s"] = ours_decode(model, BIG_BATCH)
+    del model
+    ours.update(load_memory(model_dir, path1))
+    res["nxdi"] = ours
+    if not args.skip_hf:
+        res["transformers"] = hf_figures(model_dir, dtype)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(markdown(res))
+    return 0
+
+
+def markdown(res: dict) -> str:
+    ours, hf = res["nxdi"], res.get("transformers", {})
+    rows = [("prefill 512 tok (tok/s)", "prefill_tok_s"), ("decode batch 1 (tok/s)", "decode_b1_tok_s"),
+            (f"decode batch {BIG_BATCH} aggregate (tok/s)", f"decode_b{BIG_BATCH}_tok_s")]
+    lines = ["| figure | nxdi_common | transformers | ratio |", "|---|---|---|---|"]
+    for label, key in rows:
+        h = hf.get(key)
+        lines.append(f"| {label} | {ours[key]:.1f} | {h:.1f} | {ours[key] / h:.2f}x |" if h else
+                     f"| {label} | {ours[key]:.1f} | - | - |")
+    lines.append(f"\nread bandwidth {res['read_bandwidth_gbs']:.1f} GB/s; weights "
+                 f"{res['weight_bytes'] / 1e6:.0f} MB; bound {res['bound_tok_s']:.1f} tok/s; "
+                 f"batch-1 decode = {ours['decode_b1_tok_s'] / res['bound_tok_s']:.0%} of bound; "
+                 f"batch-{BIG_BATCH} / batch-1 = "
+                 f"{ours[f'decode_b{BIG_BATCH}_tok_s'] / ours['decode_b1_tok_s']:.1f}x")
+    lines.append(f"load: peak RSS growth {ours['load_peak_rss_growth_bytes'] / 1e6:.0f} MB "
+                 f"(weights {res['weight_bytes'] / 1e6:.0f} MB + KV {ours['kv_cache_bytes'] / 1e6:.0f} MB)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
