@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxdi_common.modules.linear import Linear
+
 from nxdi_common.modules.norm import RMSNorm
 from nxdi_common.modules.rope import apply_rope
 
@@ -54,12 +56,12 @@ class NeuronAttention(nn.Module):
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
         kw = dict(dtype=dtype, device=device)
         if fused_qkv:
-            self.qkv_proj = nn.Linear(hidden_size, q_out + 2 * kv_out, bias=qkv_bias, **kw)
+            self.qkv_proj = Linear(hidden_size, q_out + 2 * kv_out, bias=qkv_bias, **kw)
         else:
-            self.q_proj = nn.Linear(hidden_size, q_out, bias=qkv_bias, **kw)
-            self.k_proj = nn.Linear(hidden_size, kv_out, bias=qkv_bias, **kw)
-            self.v_proj = nn.Linear(hidden_size, kv_out, bias=qkv_bias, **kw)
-        self.o_proj = nn.Linear(q_out, hidden_size, bias=o_bias, **kw)
+            self.q_proj = Linear(hidden_size, q_out, bias=qkv_bias, **kw)
+            self.k_proj = Linear(hidden_size, kv_out, bias=qkv_bias, **kw)
+            self.v_proj = Linear(hidden_size, kv_out, bias=qkv_bias, **kw)
+        self.o_proj = Linear(q_out, hidden_size, bias=o_bias, **kw)
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype, device=device)

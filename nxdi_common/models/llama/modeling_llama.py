@@ -11,6 +11,7 @@ from nxdi_common.config import InferenceConfig, NeuronConfig
 from nxdi_common.models.base import NeuronBaseModel
 from nxdi_common.modules.attention import (NeuronAttention, determine_sharding_strategy,
                                            effective_kv_heads)
+from nxdi_common.modules.linear import Linear
 from nxdi_common.modules.norm import RMSNorm
 from nxdi_common.modules.rope import rope_cos_sin, rope_inv_freq
 
@@ -71,9 +72,9 @@ class NeuronLlamaMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, bias: bool, dtype, device=None):
         super().__init__()
         kw = dict(bias=bias, dtype=dtype, device=device)
-        self.gate_proj = nn.Linear(hidden, inter, **kw)
-        self.up_proj = nn.Linear(hidden, inter, **kw)
-        self.down_proj = nn.Linear(inter, hidden, **kw)
+        self.gate_proj = Linear(hidden, inter, **kw)
+        self.up_proj = Linear(hidden, inter, **kw)
+        self.down_proj = Linear(inter, hidden, **kw)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -124,7 +125,7 @@ class NeuronLlamaModel(NeuronBaseModel):
         self.layers = nn.ModuleList(NeuronLlamaDecoderLayer(config, self.kv_heads_in_cache, device)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
                                  device=device)
         self.register_buffer("inv_freq", rope_inv_freq(config, self.head_dim), persistent=False)
 
