@@ -42,8 +42,10 @@ class HuggingFaceGenerationAdapter:
         if b != self.neuron_config.batch_size:
             raise ValueError(f"got {b} prompts but the model's batch_size is "
                              f"{self.neuron_config.batch_size}; the number of prompts must match it")
-        if seed is not None:
+        if seed is not None:  # seeds host-side sampling and the model's on-device random source
             self._generator.manual_seed(seed)
+            if self.model.random_source is not None:
+                self.model.random_source.seed(seed)
         budget = self._new_token_budget(s, gc, max_length, max_new_tokens)
         return self._loop(input_ids, attention_mask, gc, budget)
 
