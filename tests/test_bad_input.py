@@ -124,7 +124,7 @@ def test_checkpoint_without_weights_lists_accepted_files(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("change, pattern", [
-    (dict(intermediate_size=96), r"shape.*mlp\.gate_proj\.weight"),
+    (dict(intermediate_size=96), r"shape.*mlp\.gate_up_proj\.weight"),
     (dict(hidden_size=32, head_dim=8), r"shape"),
     (dict(num_hidden_layers=3), r"missing.*layers\.2\."),
     (dict(num_hidden_layers=1), r"unexpected.*layers\.1\."),

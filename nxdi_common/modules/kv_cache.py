@@ -53,8 +53,8 @@ class KVCacheManager:
     def read(self, cache, layer: int, index, length: int):
         """k, v [B, Hkv, length, D] for the rows seq_ids, in the compute dtype."""
         seq_ids = index[0].long()
-        k = cache[layer, K].index_select(0, seq_ids)[:, :, :length]
-        v = cache[layer, V].index_select(0, seq_ids)[:, :, :length]
+        k = cache[layer, K][:, :, :length].index_select(0, seq_ids)  # copies only `length`
+        v = cache[layer, V][:, :, :length].index_select(0, seq_ids)
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
 
     def _store(self, value):

@@ -8,7 +8,8 @@ from nxdi_common.modules.attention import determine_sharding_strategy, effective
 
 def convert_llama_state_dict(state_dict: dict, config) -> dict:
     """Returns a new dict: lm_head tied to the embeddings when the checkpoint ties them, K/V
-    projections replicated per the GQA strategy, and q/k/v fused when fused_qkv is set."""
+    projections replicated per the GQA strategy, q/k/v fused when fused_qkv is set, and the MLP's
+    gate and up projections fused."""
     sd = dict(state_dict)
     if "lm_head.weight" not in sd:
         if not getattr(config, "tie_word_embeddings", False):
@@ -24,7 +25,16 @@ def convert_llama_state_dict(state_dict: dict, config) -> dict:
         _replicate_kv(sd, prefix, config.num_key_value_heads, target, head_dim)
         if config.neuron_config.fused_qkv:
             _fuse_qkv(sd, prefix)
+        _fuse_gate_up(sd, f"layers.{i}.mlp.")
     return sd
+
+
+def _fuse_gate_up(sd: dict, prefix: str) -> None:
+    """mlp.gate_proj + mlp.up_proj → mlp.gate_up_proj (gate rows first)."""
+    for kind in ("weight", "bias"):
+        gate, up = f"{prefix}gate_proj.{kind}", f"{prefix}up_proj.{kind}"
+        if gate in sd and up in sd:
+            sd[f"{prefix}gate_up_proj.{kind}"] = torch.cat([sd.pop(gate), sd.pop(up)], dim=0)
 
 
 def _replicate_kv(sd: dict, prefix: str, kv_heads: int, target: int, head_dim: int) -> None:

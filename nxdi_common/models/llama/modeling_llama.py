@@ -67,17 +67,18 @@ def attention_biases(config) -> tuple[bool, bool]:
 
 
 class NeuronLlamaMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate and up fused into one
+    projection (one larger matrix-vector product per token reads weights faster than two)."""
 
     def __init__(self, hidden: int, inter: int, bias: bool, dtype, device=None):
         super().__init__()
         kw = dict(bias=bias, dtype=dtype, device=device)
-        self.gate_proj = Linear(hidden, inter, **kw)
-        self.up_proj = Linear(hidden, inter, **kw)
+        self.gate_up_proj = Linear(hidden, 2 * inter, **kw)
         self.down_proj = Linear(inter, hidden, **kw)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class NeuronLlamaDecoderLayer(nn.Module):
