@@ -35,7 +35,7 @@ def build_model(args, model_dir: Path):
     from nxdi_common.config import NeuronConfig, OnDeviceSamplingConfig
     from nxdi_common.models.llama import NeuronLlamaForCausalLM
     nc = NeuronConfig(batch_size=1, seq_len=args.seq_len, torch_dtype=getattr(torch, args.dtype),
-                      enable_bucketing=True, backend="cpu",
+                      enable_bucketing=True, backend="cpu", fused_qkv=True,
                       on_device_sampling_config=OnDeviceSamplingConfig(dynamic=True, do_sample=True))
     model = NeuronLlamaForCausalLM(str(model_dir), neuron_config=nc)
     if args.backend == "eager":
