@@ -48,20 +48,7 @@ def valid_request(model, steps=3) -> torch.Tensor:
     return torch.stack(logits)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny models run fastest on one thread (no OpenMP spin-waiting on a busy machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch) -> Path:
-    cache = tmp_path / "compile-cache"
-    monkeypatch.setenv("NXDI_COMPILE_CACHE", str(cache))
-    return cache
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "compile_cache_dir")
 
 
 @pytest.fixture(scope="module")

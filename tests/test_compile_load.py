@@ -58,21 +58,13 @@ def greedy_runs(model) -> torch.Tensor:
     return torch.cat(results)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny models run fastest on one thread (no OpenMP spin-waiting on a busy machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch) -> Path:
+def isolated_cache(compile_cache_dir) -> Path:
     """Every model built in a test uses a private persistent cache (never ~/.cache)."""
-    cache = tmp_path / "compile-cache"
-    monkeypatch.setenv("NXDI_COMPILE_CACHE", str(cache))
-    return cache
+    return compile_cache_dir
 
 
 @pytest.fixture(scope="module")

@@ -69,21 +69,13 @@ def make_fake_torch_neuronx() -> types.ModuleType:
     return module
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny models run fastest on one thread (no OpenMP spin-waiting on a busy machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch) -> Path:
-    cache = tmp_path / "compile-cache"
-    monkeypatch.setenv("NXDI_COMPILE_CACHE", str(cache))
+def isolated_cache(compile_cache_dir, monkeypatch) -> Path:
     monkeypatch.setitem(sys.modules, "neuronxcc", None)  # compiler version: "unknown"
-    return cache
+    return compile_cache_dir
 
 
 @pytest.fixture(params=["absent", "placeholder"])
