@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--backend", choices=("compiled", "eager"), default="compiled",
                    help="compiled: traced per bucket and cached; eager: plain torch")
-    p.add_argument("--compiled-dir", help="where compiled artifacts go (default: under the cache)")
+    p.add_argument("--compiled-root", help="folder for compiled models, one sub-folder per "
+                   "configuration (default: next to the model under the cache)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
@@ -41,8 +43,9 @@ def build_model(args, model_dir: Path):
     if args.backend == "eager":
         model.to_cpu()
         return model
-    compiled = Path(args.compiled_dir or model_dir.parent / "compiled" /
-                    f"{model_dir.name}-{args.dtype}-{args.seq_len}")
+    # The folder is named by the config, so a changed config never meets a stale compiled folder.
+    key = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:12]
+    compiled = Path(args.compiled_root or model_dir.parent / "compiled") / f"{model_dir.name}-{key}"
     if not (compiled / "nxdi_manifest.json").is_file():
         _log(f"compiling to {compiled} (first run only; reused from the compile cache after)")
         model.compile(str(compiled))
