@@ -29,3 +29,18 @@ def compile_cache_dir(tmp_path, monkeypatch):
     cache = tmp_path / "compile-cache"
     monkeypatch.setenv("NXDI_COMPILE_CACHE", str(cache))
     return cache
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_ckpt(tmp_path_factory):
+    """A tiny random GQA Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 256) saved with
+    save_pretrained; built once per test module."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, vocab_size=256)
+    path = tmp_path_factory.mktemp("ckpt")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path

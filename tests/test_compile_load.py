@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from nxdi_common.application_base import MANIFEST, SHARDED_WEIGHTS, NeuronApplicationBase
 from nxdi_common.backends.compile_cache import CompileCache
@@ -68,13 +67,8 @@ def isolated_cache(compile_cache_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                         num_key_value_heads=2, num_hidden_layers=2, vocab_size=256)
-    path = tmp_path_factory.mktemp("ckpt")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+def ckpt(tiny_llama_ckpt) -> Path:
+    return tiny_llama_ckpt
 
 
 @pytest.fixture(scope="module")

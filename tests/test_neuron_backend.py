@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from nxdi_common.application_base import MANIFEST, SHARDED_WEIGHTS
 from nxdi_common.backends import get_backend
@@ -96,13 +95,8 @@ def fake_neuronx(monkeypatch) -> types.ModuleType:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                         num_key_value_heads=2, num_hidden_layers=2, vocab_size=256)
-    path = tmp_path_factory.mktemp("ckpt")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+def ckpt(tiny_llama_ckpt) -> Path:
+    return tiny_llama_ckpt
 
 
 def _assert_install_hint(message: str) -> None:

@@ -2,7 +2,6 @@
 qk-layernorm): GQA, RoPE with llama3 scaling, RMSNorm, SwiGLU, tied embeddings, explicit head_dim."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
