@@ -44,3 +44,25 @@ def tiny_llama_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt")
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, bundled_model_path):
+    """A tiny random Llama (hidden 64, 2 layers, 4 heads, 2 KV heads) with the bundled model's
+    vocabulary, tokenizer and chat template: serving tests that need real text in and out but not
+    real answers start in a second and run fast. Tied embeddings; eos_token_id 2 as SmolLM2."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, vocab_size=49152,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, max_position_embeddings=4096)
+    path = tmp_path_factory.mktemp("tiny-chat")
+    LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled_model_path / name, path / name)
+    return path

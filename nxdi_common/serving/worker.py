@@ -1,0 +1,145 @@
+"""Model loading for the prefill and decode workers: command-line options, the NeuronConfig each
+role needs, compile-or-load through the persistent cache, the tokenizer, and the model fingerprint.
+
+A prefill worker runs context encoding (CTE) over a flat KV cache with one row per prompt in flight;
+a decode worker runs token generation (TKG) over a block KV cache (and CTE for local prefill)."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from nxdi_common.kv_transfer import ModelFingerprint
+
+log = logging.getLogger(__name__)
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which model a worker serves and how it runs it."""
+
+    model: str | None = None  # HF checkpoint directory; None: the bundled SmolLM2
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    backend: str = "compiled"  # "compiled" (traced per bucket, cached) or "eager"
+    compiled_root: str | None = None
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.backend not in ("compiled", "eager"):
+            raise ValueError(f"backend must be 'compiled' or 'eager', got {self.backend!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+    def model_dir(self) -> Path:
+        if self.model:
+            return Path(self.model)
+        from nxdi_common.bundled import prepare_bundled_model
+        return prepare_bundled_model()
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model options every worker command line takes."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="HF checkpoint directory (default: the bundled SmolLM2)")
+    g.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    g.add_argument("--max-model-len", type=int, default=2048,
+                   help="longest prompt plus output, in tokens (the model's seq_len)")
+    g.add_argument("--backend", choices=("compiled", "eager"), default="compiled")
+    g.add_argument("--compiled-root", help="folder for compiled models (default: in the cache)")
+    g.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+
+
+def model_options_from_args(args) -> ModelOptions:
+    return ModelOptions(args.model, args.dtype, args.max_model_len, args.backend,
+                        args.compiled_root, args.threads)
+
+
+def prefill_neuron_config(opts: ModelOptions, max_batch_size: int, ctx_batch_size: int):
+    """Flat KV cache, one row per prompt being encoded; CTE batches of up to ctx_batch_size."""
+    return _neuron_config(opts, max_batch_size=max_batch_size, ctx_batch_size=ctx_batch_size,
+                          tkg_batch_size=1)
+
+
+def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: int,
+                         block_size: int):
+    """Block KV cache of num_blocks blocks; TKG batch buckets up to max_batch_size; CTE (local
+    prefill) one prompt at a time."""
+    return _neuron_config(opts, max_batch_size=max_batch_size, ctx_batch_size=1,
+                          tkg_batch_size=max_batch_size, is_block_kv_layout=True,
+                          pa_num_blocks=num_blocks, pa_block_size=block_size)
+
+
+def _neuron_config(opts: ModelOptions, **kwargs):
+    import torch
+    from nxdi_common.config import NeuronConfig, OnDeviceSamplingConfig
+    sampling = OnDeviceSamplingConfig(dynamic=True, do_sample=True)
+    return NeuronConfig(batch_size=kwargs["max_batch_size"], seq_len=opts.max_model_len,
+                        max_context_length=opts.max_model_len,
+                        torch_dtype=getattr(torch, opts.dtype), enable_bucketing=True,
+                        is_continuous_batching=True, backend="cpu", fused_qkv=True,
+                        output_logits=True, skip_warmup=opts.backend == "eager",
+                        on_device_sampling_config=sampling, **kwargs)
+
+
+def load_model(opts: ModelOptions, neuron_config):
+    """Build, compile (once, cached by configuration) or load, and return the application."""
+    import torch
+    from nxdi_common.models.llama import NeuronLlamaForCausalLM
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    model_dir = opts.model_dir()
+    model = NeuronLlamaForCausalLM(str(model_dir), neuron_config=neuron_config)
+    if opts.backend == "eager":
+        model.to_cpu()
+        return model
+    key = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:12]
+    root = Path(opts.compiled_root) if opts.compiled_root else model_dir.parent / "compiled"
+    compiled = root / f"{model_dir.name}-{key}"
+    if not (compiled / "nxdi_manifest.json").is_file():
+        log.info("compiling %s to %s (first run only)", model_dir.name, compiled)
+        model.compile(str(compiled))
+    model.load(str(compiled))
+    return model
+
+
+def load_tokenizer(opts: ModelOptions):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(opts.model_dir()))
+
+
+def weights_hash(model_dir: Path) -> str:
+    """sha256 over the checkpoint's weight files (names, then contents), hex."""
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(model_dir).iterdir()
+                   if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file())
+    for path in files:
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def model_fingerprint(model, opts: ModelOptions) -> ModelFingerprint:
+    """The fingerprint KV transfers are checked against: geometry and dtypes of the KV cache as
+    this worker stores it, and the weights it was computed with."""
+    nc = model.neuron_config
+    shape = model._model.kv_mgr.shape  # flat [L, 2, B+1, H, S, D]; block [L, 2, NB+1, BS, H, D]
+    heads = shape[4] if nc.is_block_kv_layout else shape[3]
+    model_dir = opts.model_dir()
+    return ModelFingerprint(model_dir.name, shape[0], heads, shape[-1], opts.dtype,
+                            "fp8_e4m3fn" if nc.kv_cache_quant else "none",
+                            weights_hash(model_dir))
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
