@@ -143,3 +143,15 @@ def model_fingerprint(model, opts: ModelOptions) -> ModelFingerprint:
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def eos_token_ids(model_dir: Path) -> set[int]:
+    """End-of-sequence ids from config.json and generation_config.json (int or list each)."""
+    import json
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update([value] if isinstance(value, int) else (value or []))
+    return ids

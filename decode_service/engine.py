@@ -1,0 +1,233 @@
+"""The decode engine: one thread that owns the model and runs local prefills and TKG steps.
+
+The asyncio side (gRPC handlers, KV pulls) admits sequences, writes pulled KV into their reserved
+blocks, and posts commands; the engine thread turns commands into batch changes between steps:
+
+    loop: apply commands -> at most one local prefill (CTE) -> one TKG step over the running batch
+
+Blocks are reserved at admission for prompt + max_tokens, so a running sequence never runs out of
+KV room and nothing is ever preempted. Every sequence's blocks are freed exactly once, when it
+finishes, fails or is cancelled (``drop``)."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from nxdi_common.block_manager import BlockManager
+from nxdi_common.serving.errors import Overloaded
+from decode_service.scheduler import DecodeScheduler
+from decode_service.sequence import Sequence, seeded_generator, token_logprobs
+from nxdi_common.serving.detokenize import OutputText
+
+log = logging.getLogger(__name__)
+K, V = 0, 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 8
+    num_blocks: int = 512
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+
+class DecodeEngine:
+    """Continuous batching over a block KV cache (see the module doc)."""
+
+    def __init__(self, model, tokenizer, eos_ids, config: EngineConfig, metrics=None):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.eos_ids = frozenset(eos_ids)
+        self.metrics = metrics
+        self.blocks = BlockManager(config.num_blocks, config.block_size,
+                                   config.enable_prefix_caching)
+        self._blocks_lock = threading.Lock()
+        self.scheduler = DecodeScheduler(config.max_batch_size)
+        self._commands: queue.Queue = queue.Queue()
+        self._local: list[Sequence] = []
+        self._live: set[str] = set()  # admitted and not dropped
+        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+        self._stopping = False
+        self.scratch_slot = model.scratch[1] * config.block_size
+
+    # ---- asyncio side ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    def admit(self, job, max_tokens: int, emit) -> Sequence:
+        """Reserve blocks for the prompt plus max_tokens and return the new sequence, or raise
+        Overloaded (the caller may try another worker). emit receives its TokenOutputs (and an
+        exception if it fails), from whichever thread produces them."""
+        rid, prompt = job.request_id, list(job.prompt_ids)
+        with self._blocks_lock:
+            if rid in self._live:
+                raise Overloaded(f"request id {rid!r} is already running on this worker")
+            if not self.blocks.can_allocate(prompt, max_tokens):
+                raise Overloaded(
+                    f"not enough free KV blocks: need "
+                    f"{self.blocks.blocks_needed(len(prompt) + max_tokens)}, "
+                    f"{self.blocks.num_free_blocks} free of {self.blocks.num_blocks}")
+            alloc = self.blocks.allocate(rid, prompt, max_tokens)
+            self._live.add(rid)
+        return Sequence(job, max_tokens, alloc.block_table, alloc.num_cached_tokens,
+                        OutputText(self.tokenizer, job.stop.stop_strings), self.eos_ids, emit,
+                        seeded_generator(job.sampling.seed))
+
+    def write_kv(self, seq: Sequence, write) -> None:
+        """Store a validated chunk (kv_transfer.ChunkWrite) in the sequence's blocks."""
+        slots = torch.tensor(self.slots(seq, write.tokens.start, write.tokens.stop))
+        cache = self.model.kv_cache  # [L, 2, NB + 1, BS, H, D]
+        for which, data, scale in ((K, write.k, write.k_scale), (V, write.v, write.v_scale)):
+            flat = cache[write.layers, which].flatten(1, 2)  # [L', (NB + 1) * BS, H, D] view
+            if scale != 1.0:
+                data = (data.float() * scale)
+            flat[:, slots, write.heads] = data.to(cache.dtype)
+
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.config.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def mark_prompt_ready(self, seq: Sequence) -> None:
+        """The prompt's KV is in place (pulled): seal its blocks for reuse and run it."""
+        with self._blocks_lock:
+            if seq.request_id in self._live:
+                self.blocks.mark_computed(seq.request_id, seq.prompt_len)
+        self._commands.put(("ready", seq))
+
+    def submit_local_prefill(self, seq: Sequence) -> None:
+        self._commands.put(("local", seq))
+
+    def drop(self, seq: Sequence) -> None:
+        """Take the sequence out of the batch and free its blocks (idempotent)."""
+        self._commands.put(("drop", seq))
+
+    def release(self, seq: Sequence) -> None:
+        with self._blocks_lock:
+            if seq.request_id in self._live:
+                self._live.discard(seq.request_id)
+                self.blocks.free(seq.request_id)
+
+    def load(self) -> dict:
+        with self._blocks_lock:
+            used, free = self.blocks.num_used_blocks, self.blocks.num_free_blocks
+        running = self.scheduler.num_running
+        return {"running": running, "queued": max(len(self._live) - running, 0),
+                "kv_blocks_used": used, "kv_blocks_free": free}
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            idle = not self._local and not self.scheduler.running and not self.scheduler.ready
+            self._apply_commands(block=idle)
+            if self._stopping:
+                break
+            if self._local:
+                seq = self._local.pop(0)
+                self._guarded(self._local_prefill, [seq], seq)
+            batch = self.scheduler.next_batch()
+            if batch:
+                self._guarded(self._decode_step, batch, batch)
+            self._update_gauges()
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, seq: Sequence | None) -> None:
+        if kind == "drop":
+            self.scheduler.remove(seq)
+            if seq in self._local:
+                self._local.remove(seq)
+            self.release(seq)
+        elif seq is not None and seq.request_id not in self._live:
+            return  # dropped before this command arrived
+        elif kind == "ready" and not seq.finished:
+            self.scheduler.add_ready(seq)
+        elif kind == "local":
+            self._local.append(seq)
+
+    def _guarded(self, fn, seqs: list[Sequence], arg) -> None:
+        """Run a model step; on an exception fail its sequences (the worker keeps serving)."""
+        try:
+            fn(arg)
+        except Exception as exc:  # noqa: BLE001 - reported to each affected request
+            log.exception("model step failed")
+            for seq in seqs:
+                self.scheduler.remove(seq)
+                self.release(seq)
+                seq.fail(exc)
+
+    def _finish_step(self, seqs: list[Sequence], out) -> None:
+        for i, seq in enumerate(seqs):
+            token = int(out.tokens[i])
+            logprob, top = None, ()
+            if seq.job.sampling.logprobs and out.logits is not None:
+                logprob, top = token_logprobs(out.logits[i], token, seq.job.sampling,
+                                              self.tokenizer)
+            seq.add_token(token, logprob, top)
+            if seq.finished:
+                self.scheduler.remove(seq)
+                self.release(seq)
+
+    @torch.no_grad()
+    def _local_prefill(self, seq: Sequence) -> None:
+        """Context encoding on this worker; cached prefix positions are computed, not written."""
+        n, cached = seq.prompt_len, seq.num_cached_tokens
+        slots = self.slots(seq, 0, n)
+        slots = [self.scratch_slot if p < cached else s for p, s in enumerate(slots)]
+        out = self.model.forward(
+            torch.tensor([seq.job.prompt_ids]), seq_ids=torch.tensor([0]),
+            position_ids=torch.arange(n).unsqueeze(0),
+            sampling_params=torch.tensor([seq.job.sampling.as_row()]),
+            slot_mapping=torch.tensor([slots]), block_table=torch.tensor([seq.block_table]),
+            rand=torch.tensor([seq.draw_uniform()]))
+        with self._blocks_lock:
+            self.blocks.mark_computed(seq.request_id, n)
+        self._finish_step([seq], out)
+        if not seq.finished:
+            self.scheduler.add_ready(seq)
+
+    @torch.no_grad()
+    def _decode_step(self, batch: list[Sequence]) -> None:
+        """One token for every running sequence. Shapes: [B, 1] inputs, [B, W] block table."""
+        bs = self.config.block_size
+        positions = [s.next_position() for s in batch]
+        width = max(p // bs + 1 for p in positions)
+        scratch = self.model.scratch[1]
+        table = [(s.block_table + [scratch] * width)[:width] for s in batch]
+        out = self.model.forward(
+            torch.tensor([[s.generated[-1]] for s in batch]),
+            seq_ids=torch.tensor([s.slot for s in batch]),
+            position_ids=torch.tensor(positions).unsqueeze(1),
+            sampling_params=torch.tensor([s.job.sampling.as_row() for s in batch]),
+            slot_mapping=torch.tensor([self.slots(s, p, p + 1) for s, p in zip(batch, positions)]),
+            block_table=torch.tensor(table),
+            rand=torch.tensor([s.draw_uniform() for s in batch]))
+        self._finish_step(batch, out)
+
+    def _update_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        load = self.load()
+        self.metrics.running_sequences.set(load["running"])
+        self.metrics.queue_depth_requests.set(load["queued"])
+        self.metrics.kv_blocks_used_blocks.set(load["kv_blocks_used"])
+        self.metrics.kv_blocks_free_blocks.set(load["kv_blocks_free"])

@@ -1,0 +1,129 @@
+"""Pull a prompt's KV from ranked prefill workers into a sequence's reserved blocks.
+
+The first prefill candidate is asked over a server stream (Prefill.Prefill); its first token goes
+straight to the client, then every KV chunk is validated against the reservation (ranges, byte
+length, checksum) before it is written. A candidate that fails in any way (unreachable, refuses,
+breaks the stream, sends a bad chunk, ends with KV missing) is abandoned, its stream cancelled, and
+the next one is tried; the blocks simply get overwritten. The first token is taken once, from the
+first candidate that sends one."""
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from decode_service import convert
+from decode_service.engine import DecodeEngine
+from decode_service.sequence import Sequence
+from nxdi_common import kv_transfer
+from nxdi_common.serving.errors import FailedPrecondition, ServingError, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class PrefillChannels:
+    """One channel per prefill worker address, reused across requests."""
+
+    def __init__(self, max_message_bytes: int):
+        self._options = [("grpc.max_receive_message_length", max_message_bytes),
+                         ("grpc.max_send_message_length", max_message_bytes)]
+        self._stubs: dict[str, object] = {}
+        self._channels: list = []
+
+    def stub(self, address: str):
+        if address not in self._stubs:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels.append(channel)
+            self._stubs[address] = convert.PrefillStub(channel)
+        return self._stubs[address]
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+class KVPuller:
+    """Runs the pull for one sequence (see the module doc)."""
+
+    def __init__(self, engine: DecodeEngine, channels: PrefillChannels, fingerprint,
+                 max_chunk_bytes: int, metrics=None, timeout_seconds: float | None = None):
+        self.engine, self.channels, self.fingerprint = engine, channels, fingerprint
+        self.max_chunk_bytes, self.metrics, self.timeout = max_chunk_bytes, metrics, timeout_seconds
+        self.open_transfers = 0
+
+    async def pull(self, seq: Sequence, candidates: tuple[str, ...]) -> bool:
+        """Fill seq's prompt KV; False when the first token already finished the sequence.
+        Raises when every candidate failed (the code they agree on, else UNAVAILABLE)."""
+        failures: list[tuple[str, grpc.StatusCode, str]] = []
+        for address in candidates:
+            try:
+                return await self._pull_from(address, seq)
+            except grpc.aio.AioRpcError as exc:
+                failures.append((address, exc.code(), exc.details() or ""))
+            except ServingError as exc:
+                failures.append((address, exc.code, str(exc)))
+            except kv_transfer.KVChunkError as exc:
+                failures.append((address, grpc.StatusCode.FAILED_PRECONDITION, str(exc)))
+            log.warning("KV pull of %s from %s failed: %s", seq.request_id, address, failures[-1])
+        raise _all_failed(failures)
+
+    async def _pull_from(self, address: str, seq: Sequence) -> bool:
+        start = min(seq.num_cached_tokens, seq.prompt_len - 1)
+        reservation = kv_transfer.Reservation.for_model(self.fingerprint, seq.request_id,
+                                                        seq.prompt_len, start)
+        coverage = kv_transfer.KVCoverage(reservation)
+        request = convert.prefill_request(seq.job, self.fingerprint, start, self.max_chunk_bytes)
+        call = self.channels.stub(address).Prefill(request, timeout=self.timeout)
+        self.open_transfers += 1
+        began, payload = time.perf_counter(), 0
+        try:
+            expect_first = True
+            async for event in call:
+                kind, data = convert.prefill_event(event)
+                if expect_first != (kind == "first_token"):
+                    raise FailedPrecondition(f"prefill stream out of order: got {kind} "
+                                             f"{'first' if expect_first else 'again'}")
+                expect_first = False
+                if kind == "first_token":
+                    if self._take_first_token(seq, data):
+                        return False
+                elif kind == "kv_chunk":
+                    payload += self._write_chunk(seq, data, reservation, coverage)
+                else:
+                    break
+            if not coverage.complete:
+                raise FailedPrecondition(f"prefill stream from {address} ended with "
+                                         f"{coverage.missing} KV values missing")
+            self._observe(payload, time.perf_counter() - began)
+            return True
+        finally:
+            self.open_transfers -= 1
+            call.cancel()
+
+    def _take_first_token(self, seq: Sequence, data) -> bool:
+        """Emit the first token (once per sequence); True if it ends the sequence."""
+        if not seq.generated:
+            seq.draw_uniform()  # the prefill worker used this request's first uniform
+            token_id, logprob, top = data
+            seq.add_token(token_id, logprob, top)
+        return seq.finished
+
+    def _write_chunk(self, seq, chunk, reservation, coverage) -> int:
+        write = kv_transfer.decode_chunk(chunk, reservation)
+        coverage.add(write)
+        self.engine.write_kv(seq, write)
+        return len(chunk.k) + len(chunk.v)
+
+    def _observe(self, payload: int, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_transfer_bytes_total.inc(payload)
+            self.metrics.kv_transfer_duration_seconds.observe(seconds)
+
+
+def _all_failed(failures) -> ServingError:
+    summary = "; ".join(f"{a}: {c.name} {d}" for a, c, d in failures) or "no candidates"
+    codes = {c for _, c, _ in failures}
+    if codes == {grpc.StatusCode.FAILED_PRECONDITION}:
+        return FailedPrecondition(f"every prefill candidate refused the KV transfer: {summary}")
+    return Unavailable(f"every prefill candidate failed: {summary}")

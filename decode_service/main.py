@@ -1,0 +1,87 @@
+"""Command line and process wiring of the decode worker."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from decode_service import convert
+from decode_service.engine import DecodeEngine, EngineConfig
+from decode_service.kv_pull import KVPuller, PrefillChannels
+from decode_service.server import DecodeServicer
+from nxdi_common import kv_transfer
+from nxdi_common.serving import grpc_server, worker
+from nxdi_common.serving.metrics import ServingMetrics
+from nxdi_common.serving.types import ModelLimits
+
+log = logging.getLogger("decode_service")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m decode_service",
+                                description="Decode worker: token generation with continuous "
+                                            "batching over a block KV cache.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port")
+    worker.add_model_args(p)
+    p.add_argument("--max-batch-size", type=int, default=8, help="largest running batch")
+    p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="prompts up to this length are prefilled here, not pulled")
+    p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES)
+    p.add_argument("--kv-pull-timeout-seconds", type=float, default=600.0)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def build(args):
+    """(servicer, engine, channels, metrics) for the parsed arguments."""
+    opts = worker.model_options_from_args(args)
+    nc = worker.decode_neuron_config(opts, args.max_batch_size, args.kv_blocks, args.block_size)
+    model = worker.load_model(opts, nc)
+    tokenizer = worker.load_tokenizer(opts)
+    fingerprint = worker.model_fingerprint(model, opts)
+    metrics = ServingMetrics("decode")
+    config = EngineConfig(args.max_batch_size, args.kv_blocks, args.block_size,
+                          not args.no_prefix_caching)
+    engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
+                          metrics)
+    channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))
+    puller = KVPuller(engine, channels, fingerprint, args.max_chunk_bytes, metrics,
+                      args.kv_pull_timeout_seconds)
+    limits = ModelLimits(opts.max_model_len, model.config.vocab_size)
+    servicer = DecodeServicer(engine, puller, limits, fingerprint,
+                              args.local_prefill_max_tokens, metrics)
+    return servicer, engine, channels, metrics
+
+
+async def serve(args) -> None:
+    servicer, engine, channels, metrics = build(args)
+    engine.start()
+    server = grpc_server.GrpcServer(
+        [(convert.add_servicer, servicer, convert.SERVICE_NAME)],
+        kv_transfer.max_message_bytes(args.max_chunk_bytes))
+    port = await server.start(args.host, args.port)
+    servicer.address = f"{args.host}:{port}"
+    metrics_port = metrics.start_http_server(args.host, args.metrics_port)
+
+    async def stop():
+        await server.stop(5.0)
+
+    grpc_server.install_shutdown(asyncio.get_running_loop(), stop)
+    grpc_server.print_ready("decode", grpc=servicer.address,
+                            metrics=f"{args.host}:{metrics_port}")
+    await server.wait_for_termination()
+    engine.stop()
+    await channels.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s decode %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(args))
+    return 0

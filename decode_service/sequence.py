@@ -1,0 +1,104 @@
+"""One sequence on a decode worker: its blocks, its tokens, its random stream, and the stop rules.
+
+A Sequence is created when the request is admitted (its blocks reserved for prompt + max_tokens),
+gets its prompt KV (pulled from a prefill worker or computed locally), then joins the running batch
+until a stop rule fires. Outputs go to ``emit`` (thread-safe: it hands them to the asyncio side)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from nxdi_common.serving import types as t
+from nxdi_common.serving.detokenize import OutputText
+
+
+@dataclass
+class Sequence:
+    job: t.DecodeJob
+    max_tokens: int
+    block_table: list[int]
+    num_cached_tokens: int
+    text: OutputText
+    eos_ids: frozenset[int]
+    emit: Callable[[t.TokenOutput | Exception], None]
+    rng: torch.Generator | None = None
+    slot: int = -1  # seq_id in the running batch
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
+    last_token_ns: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.job.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def next_position(self) -> int:
+        """Position of the last generated token: the one the next TKG step feeds in."""
+        return self.prompt_len + len(self.generated) - 1
+
+    def draw_uniform(self) -> float:
+        """This sequence's next sampling uniform (seeded requests replay exactly)."""
+        return float(torch.rand(1, generator=self.rng)) if self.rng is not None else \
+            float(torch.rand(1))
+
+    def add_token(self, token_id: int, logprob=None, top_logprobs=()) -> None:
+        """Record a generated token, apply the stop rules, and emit its event."""
+        self.generated.append(token_id)
+        text, stop_string = self.text.add(token_id)
+        reason = self._stop_reason(token_id, stop_string)
+        if reason is not None and reason != t.STOP_STRING:
+            text += self.text.finish()
+        self.finish_reason = reason
+        self.emit(t.TokenOutput(self.request_id, token_id, len(self.generated) - 1, text,
+                                logprob, tuple(top_logprobs), reason, self._usage(reason)))
+
+    def fail(self, exc: Exception) -> None:
+        """End the sequence with an error; the request's stream ends with its status."""
+        self.finish_reason = t.ERROR
+        self.emit(exc)
+
+    def _stop_reason(self, token_id: int, stop_string: bool) -> str | None:
+        if token_id in self.eos_ids and not self.job.stop.ignore_eos:
+            return t.EOS_TOKEN
+        if token_id in self.job.stop.stop_token_ids:
+            return t.STOP_TOKEN
+        if stop_string:
+            return t.STOP_STRING
+        if len(self.generated) >= self.max_tokens:
+            return t.LENGTH
+        return None
+
+    def _usage(self, reason) -> t.Usage | None:
+        if reason is None:
+            return None
+        return t.Usage(self.prompt_len, len(self.generated), self.num_cached_tokens)
+
+
+def seeded_generator(seed: int | None) -> torch.Generator | None:
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed(seed)
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int, sampling: t.SamplingOptions, tokenizer):
+    """(logprob of token_id, top alternatives) under the temperature-scaled distribution;
+    logits [vocab] float32."""
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    top = ()
+    if sampling.top_logprobs:
+        values, ids = torch.topk(logp, sampling.top_logprobs)
+        top = tuple(t.TokenLogprob(int(i), float(v), tokenizer.decode([int(i)]))
+                    for v, i in zip(values, ids))
+    return float(logp[token_id]), top

@@ -1,0 +1,115 @@
+"""The decode worker's gRPC server: Decode.Generate and Decode.GetLoad.
+
+Generate: validate -> reserve blocks (or RESOURCE_EXHAUSTED) -> pull the prompt's KV from the
+ranked prefill candidates (or prefill locally) -> stream one TokenEvent per token from the engine.
+Whatever happens to the stream (finish, error, cancellation, deadline) the sequence is dropped and
+its blocks freed in the handler's ``finally``."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from decode_service import convert
+from decode_service.engine import DecodeEngine
+from decode_service.kv_pull import KVPuller
+from nxdi_common.serving import types as t
+
+log = logging.getLogger(__name__)
+
+
+class DecodeServicer(convert.DecodeServicerBase):
+    def __init__(self, engine: DecodeEngine, puller: KVPuller, limits: t.ModelLimits,
+                 fingerprint, local_prefill_max_tokens: int, metrics=None):
+        self.engine, self.puller, self.limits = engine, puller, limits
+        self.fingerprint, self.local_max = fingerprint, local_prefill_max_tokens
+        self.metrics = metrics
+        self.address = ""
+
+    def _admit(self, request, emit):
+        try:
+            job = convert.job_from_proto(request)
+            t.check_prompt(job.prompt_ids, self.limits, "prompt_token_ids")
+            max_tokens = t.resolve_max_tokens(len(job.prompt_ids), job.stop, self.limits)
+        except ValueError:
+            self._count("invalid")
+            raise
+        try:
+            return self.engine.admit(job, max_tokens, emit)
+        except Exception:
+            self._count("rejected")
+            raise
+
+    async def Generate(self, request, context):
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        seq = self._admit(request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        task, outcome = None, "cancelled"
+        try:
+            task = self._start_prefill(seq, events)
+            async for event in self._stream(seq, events):
+                yield event
+            outcome = "ok"
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            self.engine.drop(seq)
+            self._count(outcome)
+
+    def _start_prefill(self, seq, events: asyncio.Queue):
+        job = seq.job
+        if not job.prefill_candidates or seq.prompt_len <= self.local_max:
+            self.engine.submit_local_prefill(seq)
+            return None
+        return asyncio.create_task(self._pull(seq, events))
+
+    async def _pull(self, seq, events: asyncio.Queue) -> None:
+        try:
+            if await self.puller.pull(seq, seq.job.prefill_candidates):
+                self.engine.mark_prompt_ready(seq)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the stream, which raises it
+            if seq.job.local_prefill_fallback and not seq.generated:
+                log.warning("%s; prefilling %s locally", exc, seq.request_id)
+                self.engine.submit_local_prefill(seq)
+            else:
+                events.put_nowait(exc)
+
+    async def _stream(self, seq, events: asyncio.Queue):
+        last_ns = seq.arrival_ns
+        while True:
+            item = await events.get()
+            if isinstance(item, Exception):
+                raise item
+            now = time.monotonic_ns()
+            self._observe_token(item.index, (now - last_ns) / 1e9)
+            last_ns = now
+            yield convert.token_event(item)
+            if item.finish_reason is not None:
+                if self.metrics is not None:
+                    self.metrics.e2e_request_latency_seconds.observe(
+                        (now - seq.arrival_ns) / 1e9)
+                return
+
+    def _observe_token(self, index: int, seconds: float) -> None:
+        if self.metrics is None:
+            return
+        hist = self.metrics.time_to_first_token_seconds if index == 0 else \
+            self.metrics.inter_token_latency_seconds
+        hist.observe(seconds)
+        self.metrics.generated_tokens_total.inc()
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests_total.labels(outcome=outcome).inc()
+
+    async def GetLoad(self, request, context):
+        cfg = self.engine.config
+        return convert.worker_load(self.address, self.fingerprint, self.engine.load(),
+                                   cfg.max_batch_size, cfg.block_size, self.puller.open_transfers)

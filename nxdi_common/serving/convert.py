@@ -1,0 +1,73 @@
+"""Protobuf <-> internal types for the messages every service handles (sampling parameters, stop
+criteria, token events). Each service's own convert module builds on these; nothing else in the
+services touches protobuf messages."""
+from __future__ import annotations
+
+from protos.nxdi.serving.v1 import serving_pb2 as pb
+from nxdi_common.serving import types as t
+
+FINISH_TO_PROTO = {
+    None: pb.FINISH_REASON_UNSPECIFIED, t.LENGTH: pb.FINISH_REASON_LENGTH,
+    t.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN, t.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
+    t.STOP_STRING: pb.FINISH_REASON_STOP_STRING, t.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    t.ERROR: pb.FINISH_REASON_ERROR,
+}
+FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> t.SamplingOptions:
+    """Unset temperature and top_p mean 1.0; the result is validated."""
+    return t.SamplingOptions(
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_k=msg.top_k, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None, logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs).validate()
+
+
+def sampling_to_proto(s: t.SamplingOptions) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                             logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+
+
+def stop_from_proto(msg: pb.StopCriteria) -> t.StopOptions:
+    """Unset max_tokens means up to the context length; the result is validated."""
+    return t.StopOptions(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings),
+        ignore_eos=msg.ignore_eos).validate()
+
+
+def stop_to_proto(s: t.StopOptions) -> pb.StopCriteria:
+    return pb.StopCriteria(max_tokens=s.max_tokens, stop_token_ids=s.stop_token_ids,
+                           stop_strings=s.stop_strings, ignore_eos=s.ignore_eos)
+
+
+def logprobs_to_proto(items) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=x.token_id, logprob=x.logprob, text=x.text) for x in items]
+
+
+def logprobs_from_proto(items) -> tuple[t.TokenLogprob, ...]:
+    return tuple(t.TokenLogprob(x.token_id, x.logprob, x.text) for x in items)
+
+
+def token_to_proto(out: t.TokenOutput) -> pb.TokenEvent:
+    event = pb.TokenEvent(request_id=out.request_id, token_id=out.token_id, text=out.text,
+                          logprob=out.logprob, top_logprobs=logprobs_to_proto(out.top_logprobs),
+                          index=out.index, finish_reason=FINISH_TO_PROTO[out.finish_reason])
+    if out.usage is not None:
+        event.usage.CopyFrom(pb.Usage(prompt_tokens=out.usage.prompt_tokens,
+                                      completion_tokens=out.usage.completion_tokens,
+                                      cached_prompt_tokens=out.usage.cached_prompt_tokens))
+    return event
+
+
+def token_from_proto(event: pb.TokenEvent) -> t.TokenOutput:
+    usage = None
+    if event.HasField("usage"):
+        usage = t.Usage(event.usage.prompt_tokens, event.usage.completion_tokens,
+                        event.usage.cached_prompt_tokens)
+    return t.TokenOutput(
+        request_id=event.request_id, token_id=event.token_id, index=event.index, text=event.text,
+        logprob=event.logprob if event.HasField("logprob") else None,
+        top_logprobs=logprobs_from_proto(event.top_logprobs),
+        finish_reason=FINISH_FROM_PROTO.get(event.finish_reason), usage=usage)
