@@ -58,7 +58,9 @@ class Sequence:
         text, stop_string = self.text.add(token_id)
         reason = self._stop_reason(token_id, stop_string)
         if reason is not None and reason != t.STOP_STRING:
-            text += self.text.finish()
+            text += self.text.finish()  # held text; it may complete a stop string
+            if self.text.stopped and reason == t.LENGTH:
+                reason = t.STOP_STRING
         self.finish_reason = reason
         self.emit(t.TokenOutput(self.request_id, token_id, len(self.generated) - 1, text,
                                 logprob, tuple(top_logprobs), reason, self._usage(reason)))

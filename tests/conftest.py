@@ -66,3 +66,84 @@ def tiny_chat_model(tmp_path_factory, bundled_model_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(bundled_model_path / name, path / name)
     return path
+
+
+class _Service:
+    """A service process started by the ``spawn`` fixture: its ready info and output tail."""
+
+    def __init__(self, module: str, args: list[str], timeout: float):
+        import collections
+        import json
+        import subprocess
+        import sys
+        import threading
+        import time
+
+        self.module, self.tail = module, collections.deque(maxlen=300)
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", module, *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.info, ready = None, threading.Event()
+
+        def drain():
+            for line in self.proc.stdout:
+                self.tail.append(line.rstrip())
+                if line.startswith("NXDI_READY ") and self.info is None:
+                    self.info = json.loads(line.split(" ", 1)[1])
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.2) and time.monotonic() < deadline:
+            pass
+        if self.info is None:
+            self.stop()
+            raise RuntimeError(f"{module} did not start:\n" + "\n".join(self.tail))
+
+    @property
+    def grpc(self) -> str:
+        return self.info["grpc"]
+
+    def output(self) -> str:
+        return "\n".join(self.tail)
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _spawner():
+    started = []
+
+    def start(module: str, *args: str, timeout: float = 180.0) -> _Service:
+        service = _Service(module, [str(a) for a in args], timeout)
+        started.append(service)
+        return service
+    return start, started
+
+
+@pytest.fixture
+def spawn():
+    """spawn(module, *args, timeout=180) starts ``python -m module args`` (a real service process
+    on loopback), waits for its NXDI_READY line and returns a _Service; all are stopped after."""
+    start, started = _spawner()
+    yield start
+    for service in reversed(started):
+        service.stop()
+
+
+@pytest.fixture(scope="module")
+def spawn_module():
+    """spawn, for services shared by a whole test module."""
+    start, started = _spawner()
+    yield start
+    for service in reversed(started):
+        service.stop()

@@ -90,6 +90,11 @@ class OutputText:
         text = self._stops.feed(self._detok.add(token_id))
         return text, self._stops.matched is not None
 
+    @property
+    def stopped(self) -> bool:
+        """A stop string matched."""
+        return self._stops.matched is not None
+
     def finish(self) -> str:
         """Text still held when the sequence ends (not after a stop-string match)."""
         return self._stops.feed(self._detok.flush()) + self._stops.flush()

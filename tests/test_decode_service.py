@@ -1,0 +1,274 @@
+"""The decode worker as a real process on loopback (tiny model with the bundled tokenizer): local
+prefill + continuous batching give transformers' greedy tokens, admission, stop rules, seeded
+sampling, cancellation freeing blocks, bad input, and a KV pull from a hostile prefill peer."""
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+import torch
+
+from nxdi_common import kv_transfer
+from protos.nxdi.serving.v1 import serving_pb2 as pb
+from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
+
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def decode(spawn_module, tiny_chat_model):
+    return spawn_module("decode_service", "--model", tiny_chat_model, "--dtype", "float32",
+                        "--backend", "eager", "--threads", "1", "--max-model-len", MAX_LEN,
+                        "--kv-blocks", 24, "--block-size", 16, "--max-batch-size", 4)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model):
+    from transformers import LlamaForCausalLM
+    return LlamaForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
+
+
+def greedy(model, ids, n):
+    """transformers' greedy continuation of ids, n tokens, never stopping at EOS."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def request(rid, ids, max_tokens=None, **kw):
+    stop = pb.StopCriteria(max_tokens=max_tokens, ignore_eos=kw.pop("ignore_eos", True),
+                           stop_token_ids=kw.pop("stop_token_ids", ()),
+                           stop_strings=kw.pop("stop_strings", ()))
+    sampling = pb.SamplingParams(temperature=kw.pop("temperature", 0.0), **kw)
+    return pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling, stop=stop)
+
+
+async def collect(address, req, **kw):
+    async with grpc.aio.insecure_channel(address) as channel:
+        return [e async for e in pb_grpc.DecodeStub(channel).Generate(req, **kw)]
+
+
+async def get_load(address):
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.DecodeStub(channel).GetLoad(pb.GetLoadRequest())
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+PROMPTS = [[1, 504, 3458, 282, 4649, 314], list(range(100, 140)), [7] * 90, [42]]
+
+
+def test_local_prefill_and_batching_match_transformers(decode, reference):
+    async def all_at_once():
+        reqs = [request(f"r{i}", ids, max_tokens=12 + 3 * i) for i, ids in enumerate(PROMPTS)]
+        return await asyncio.gather(*(collect(decode.grpc, r) for r in reqs))
+
+    results = run(all_at_once())
+    for i, (ids, events) in enumerate(zip(PROMPTS, results)):
+        assert [e.token_id for e in events] == greedy(reference, ids, 12 + 3 * i)
+        assert [e.index for e in events] == list(range(12 + 3 * i))
+        assert events[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert all(e.finish_reason == pb.FINISH_REASON_UNSPECIFIED for e in events[:-1])
+        assert (events[-1].usage.prompt_tokens, events[-1].usage.completion_tokens) == \
+            (len(ids), 12 + 3 * i)
+    load = run(get_load(decode.grpc))
+    assert (load.kv_blocks_used, load.running_sequences, load.queued_requests) == (0, 0, 0)
+
+
+def test_text_is_incremental_detokenization(decode):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(decode_model_dir(decode))
+    events = run(collect(decode.grpc, request("t", PROMPTS[0], max_tokens=20)))
+    assert "".join(e.text for e in events) == tok.decode([e.token_id for e in events],
+                                                         skip_special_tokens=True)
+
+
+def decode_model_dir(service):
+    args = service.proc.args
+    return args[args.index("--model") + 1]
+
+
+def test_stop_token_ids_and_strings(decode, reference):
+    expected = greedy(reference, PROMPTS[1], 10)
+    stop_id = expected[4]
+    events = run(collect(decode.grpc, request("s", PROMPTS[1], 10, stop_token_ids=[stop_id])))
+    first = expected.index(stop_id)
+    assert [e.token_id for e in events] == expected[:first + 1]
+    assert events[-1].finish_reason == pb.FINISH_REASON_STOP_TOKEN
+
+    full = run(collect(decode.grpc, request("s2", PROMPTS[1], 10)))
+    text = "".join(e.text for e in full)
+    needle = text[len(text) // 2:len(text) // 2 + 3]
+    if not needle.strip():
+        pytest.skip("random model produced whitespace-only text here")
+    cut = run(collect(decode.grpc, request("s3", PROMPTS[1], 10, stop_strings=[needle])))
+    assert "".join(e.text for e in cut) == text[:text.index(needle)]
+    assert cut[-1].finish_reason == pb.FINISH_REASON_STOP_STRING
+
+
+def test_eos_stops_unless_ignored(decode, reference):
+    # Make the model's own greedy token an EOS by declaring it a stop... EOS proper: id 2.
+    events = run(collect(decode.grpc, request("e", PROMPTS[0], 30, ignore_eos=False)))
+    tokens = [e.token_id for e in events]
+    expected = greedy(reference, PROMPTS[0], 30)
+    if 2 in expected:
+        assert tokens == expected[:expected.index(2) + 1]
+        assert events[-1].finish_reason == pb.FINISH_REASON_EOS_TOKEN
+    else:
+        assert tokens == expected and events[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_seeded_sampling_is_reproducible(decode):
+    def sample(seed):
+        req = request("x", PROMPTS[1], 16, temperature=1.0, top_k=50, top_p=0.9, seed=seed)
+        return [e.token_id for e in run(collect(decode.grpc, req))]
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_logprobs(decode, reference):
+    req = request("lp", PROMPTS[0], 3, logprobs=True, top_logprobs=3)
+    events = run(collect(decode.grpc, req))
+    with torch.no_grad():
+        logits = reference(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    logp = torch.log_softmax(logits, -1)
+    first = events[0]
+    assert first.logprob == pytest.approx(float(logp[first.token_id]), abs=1e-4)
+    assert [x.token_id for x in first.top_logprobs] == torch.topk(logp, 3).indices.tolist()
+    assert first.top_logprobs[0].token_id == first.token_id
+
+
+def test_admission_refuses_when_blocks_are_short(decode):
+    # 24 blocks of 16 tokens; prompt 90 + 166 new tokens needs 16 blocks, twice would be 32.
+    async def two_big():
+        first = pb_grpc.DecodeStub(grpc.aio.insecure_channel(decode.grpc)).Generate(
+            request("big1", PROMPTS[2], MAX_LEN - 90))
+        await first.read()  # admitted and running
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(decode.grpc, request("big2", [8] * 90, MAX_LEN - 90))
+        first.cancel()
+        return err.value
+
+    err = run(two_big())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "KV blocks" in err.details()
+    wait_for_idle(decode.grpc)
+
+
+def wait_for_idle(address, timeout=10.0):
+    async def poll():
+        for _ in range(int(timeout / 0.1)):
+            load = await get_load(address)
+            if load.kv_blocks_used == 0 and load.running_sequences == 0 \
+                    and load.queued_requests == 0 and load.open_transfers == 0:
+                return load
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"worker did not go idle: {load}")
+    return run(poll())
+
+
+def test_cancel_mid_stream_frees_blocks(decode):
+    async def cancel_after(n):
+        async with grpc.aio.insecure_channel(decode.grpc) as channel:
+            call = pb_grpc.DecodeStub(channel).Generate(request("c", PROMPTS[1], 200))
+            for _ in range(n):
+                await call.read()
+            load = await pb_grpc.DecodeStub(channel).GetLoad(pb.GetLoadRequest())
+            call.cancel()
+            return load
+
+    during = run(cancel_after(3))
+    assert during.kv_blocks_used == -(-(40 + 200) // 16)
+    assert during.running_sequences == 1
+    wait_for_idle(decode.grpc)
+
+
+@pytest.mark.parametrize("req, field", [
+    (request("b1", [], 5), "prompt_token_ids"),
+    (request("b2", [1] * MAX_LEN, 5), "prompt_token_ids"),
+    (request("b3", [1, 2, 3], MAX_LEN), "max_tokens"),
+    (request("b4", [1, 2, 3], 0), "max_tokens"),
+    (request("b5", [1, 49152], 5), "prompt_token_ids"),
+    (request("b6", [1, 2], 5, top_p=0.0), "top_p"),
+    (request("b7", [1, 2], 5, temperature=-1.0), "temperature"),
+    (request("b8", [1, 2], 5, top_k=-2), "top_k"),
+    (request("", [1, 2], 5), "request_id"),
+])
+def test_bad_input_is_invalid_argument(decode, req, field):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(collect(decode.grpc, req))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field)
+    assert run(get_load(decode.grpc)).kv_blocks_used == 0
+
+
+# ---- a hostile prefill peer: the decode worker must validate every chunk ---------------------
+
+class HostilePrefill(pb_grpc.PrefillServicer):
+    """Answers with a first token and one corrupted chunk (how: 'length', 'range' or 'crc')."""
+
+    def __init__(self, fingerprint, how):
+        self.fingerprint, self.how = fingerprint, how
+
+    async def Prefill(self, request, context):
+        yield pb.PrefillEvent(first_token=pb.FirstToken(token_id=5))
+        fp, n = self.fingerprint, len(request.prompt_token_ids)
+        end = n + 1 if self.how == "range" else n
+        k = torch.zeros(fp.num_layers, end, fp.num_kv_heads, fp.head_dim)
+        chunk = next(iter(kv_transfer.encode_chunks(request.request_id, k, k.clone())))
+        msg = kv_transfer.chunk_to_proto(chunk)
+        if self.how == "length":
+            msg.k = msg.k[:-4]
+        if self.how == "crc":
+            msg.crc32c ^= 1
+        yield pb.PrefillEvent(kv_chunk=msg)
+        yield pb.PrefillEvent(done=pb.PrefillDone(num_chunks=1))
+
+
+@contextlib.asynccontextmanager
+async def hostile_server(fingerprint, how):
+    server = grpc.aio.server()
+    pb_grpc.add_PrefillServicer_to_server(HostilePrefill(fingerprint, how), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("how, field", [("length", "k"), ("range", "token_end"), ("crc", "crc32c")])
+def test_bad_kv_chunk_fails_the_request_cleanly(decode, how, field):
+    async def scenario():
+        fp = kv_transfer.fingerprint_from_proto((await get_load(decode.grpc)).fingerprint)
+        async with hostile_server(fp, how) as address:
+            req = request("h", PROMPTS[0], 5)
+            req.prefill_candidates.append(address)
+            events = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for e in pb_grpc.DecodeStub(grpc.aio.insecure_channel(decode.grpc)) \
+                        .Generate(req):
+                    events.append(e)
+            return events, err.value
+
+    events, err = run(scenario())
+    assert [e.token_id for e in events] == [5]  # the first token arrived before the KV
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"{field}:" in err.details() or f"'{field}'" in err.details() or field in err.details()
+    wait_for_idle(decode.grpc)
+
+
+def test_unreachable_prefill_falls_back_to_local_when_asked(decode, reference):
+    req = request("f", PROMPTS[1], 6)
+    req.prefill_candidates.append("127.0.0.1:1")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(collect(decode.grpc, req))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    req.local_prefill_fallback = True
+    events = run(collect(decode.grpc, req))
+    assert [e.token_id for e in events] == greedy(reference, PROMPTS[1], 6)
+    wait_for_idle(decode.grpc)

@@ -1,0 +1,72 @@
+"""Incremental detokenization and stop strings: exact text, multi-byte characters, hold-back."""
+import pytest
+
+from decode_service.scheduler import DecodeScheduler
+from nxdi_common.serving.detokenize import IncrementalDetokenizer, OutputText, StopStringMatcher
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bundled_model_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(bundled_model_path)
+
+
+@pytest.mark.parametrize("text", ["Hello, world! It's 42°C in Zürich — naïve café 東京 🚀🚀.",
+                                  "  leading spaces\n\nand\ttabs  ", "def f(x):\n    return x"])
+def test_deltas_concatenate_to_the_decoded_text(tokenizer, text):
+    ids = tokenizer(text).input_ids
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_emoji_split_over_byte_tokens_is_held_until_complete(tokenizer):
+    ids = tokenizer("🚀").input_ids
+    assert len(ids) > 1  # byte-level pieces
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.add(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.add(ids[-1]) == "🚀"
+
+
+def test_stop_string_holds_back_a_possible_start_then_cuts():
+    m = StopStringMatcher(["STOP"])
+    assert [m.feed(x) for x in ["ab", "cS", "T", "x"]] == ["ab", "c", "", "STx"]
+    assert m.matched is None
+    assert [m.feed(x) for x in ["yyST", "OPzz"]] == ["yy", ""]
+    assert m.matched == "STOP" and m.feed("more") == "" and m.flush() == ""
+
+
+def test_earliest_stop_string_wins_and_flush_releases_held_text():
+    m = StopStringMatcher(["world", "lo w"])
+    assert m.feed("hello world") == "hel" and m.matched == "lo w"
+    m2 = StopStringMatcher(["abc"])
+    assert m2.feed("xab") == "x" and m2.flush() == "ab"
+
+
+def test_output_text_stops_inside_a_token(tokenizer):
+    ids = tokenizer("one two three four").input_ids
+    out = OutputText(tokenizer, ["thr"])
+    pieces = []
+    for i in ids:
+        text, stopped = out.add(i)
+        pieces.append(text)
+        if stopped:
+            break
+    assert "".join(pieces) == "one two " and out.stopped
+
+
+def test_scheduler_joins_waiting_sequences_into_the_lowest_free_slots():
+    class S:
+        slot = -1
+    sched = DecodeScheduler(2)
+    a, b, c = S(), S(), S()
+    for s in (a, b, c):
+        sched.add_ready(s)
+    assert sched.next_batch() == [a, b] and (a.slot, b.slot) == (0, 1)
+    assert sched.num_waiting == 1
+    sched.remove(a)
+    assert a.slot == -1 and sched.next_batch() == [c, b] and c.slot == 0
+    sched.remove(c)
+    sched.remove(b)
+    assert sched.next_batch() == [] and sched.num_running == 0
