@@ -78,11 +78,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 sampling_params=None, prev_hidden=None, past_key_values=None, inputs_embeds=None,
                 labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
                 medusa_args=None, return_dict=None, input_capture_hook=None, slot_mapping=None,
-                block_table=None) -> CausalLMOutput:
+                block_table=None, rand=None) -> CausalLMOutput:
         """Run CTE when the sequences start at position 0 (or the cache is empty), else TKG.
         input_ids [B, S]; seq_ids [B] (cache rows, default 0..B-1); attention_mask [B, S] (left or
         right padding); sampling_params [B, 3] (top_k, top_p, temperature); slot_mapping [B, S]
-        and block_table [B, blocks] for the block KV layout (default: contiguous blocks per row)."""
+        and block_table [B, blocks] for the block KV layout (default: contiguous blocks per row);
+        rand [B] float32 uniforms in [0, 1) for the sampler (default: drawn by random_source)."""
         if self.kv_cache is None:
             raise RuntimeError("model is not loaded: call to_cpu(), or compile() then load()")
         for name, value in (("inputs_embeds", inputs_embeds), ("labels", labels),
@@ -94,9 +95,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         seq_ids = self._seq_ids(input_ids, seq_ids)
         if self._is_context(input_ids, position_ids):
             return self._run_context(input_ids, attention_mask, seq_ids, sampling_params,
-                                     slot_mapping, block_table)
+                                     slot_mapping, block_table, rand)
         return self._run_token_gen(input_ids, position_ids, seq_ids, sampling_params, slot_mapping,
-                                   block_table)
+                                   block_table, rand)
 
     def _seq_ids(self, input_ids, seq_ids) -> torch.Tensor:
         if input_ids is None or input_ids.dim() != 2:
@@ -123,15 +124,21 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             return int(position_ids[:, 0].min()) == 0
         return input_ids.shape[1] > 1 or not self.kv_cache_populated
 
-    def _sampling_inputs(self, batch: int, sampling_params):
-        """sampling_params [B, 3] and rand [B] for the graph."""
+    def _sampling_inputs(self, batch: int, sampling_params, rand=None):
+        """sampling_params [B, 3] and rand [B] for the graph (the caller's rand when given)."""
         odsc = self.neuron_config.on_device_sampling_config
         if sampling_params is None:
             sampling_params = sampling_params_from_config(odsc, batch) if odsc else torch.ones(batch, 3)
+        if rand is not None:
+            if tuple(rand.shape) != (batch,):
+                raise ValueError(f"rand must be [batch] = [{batch}] uniforms in [0, 1), "
+                                 f"got shape {list(rand.shape)}")
+            return sampling_params.to(torch.float32), rand.to(torch.float32)
         rand = self.random_source.draw(batch) if self.random_source else torch.zeros(batch)
         return sampling_params.to(torch.float32), rand
 
-    def _run_context(self, input_ids, attention_mask, seq_ids, sampling_params, slots, table):
+    def _run_context(self, input_ids, attention_mask, seq_ids, sampling_params, slots, table,
+                     rand=None):
         ids, mask, lengths = right_align(input_ids, attention_mask)
         if slots is not None:  # the caller's slots follow input_ids' layout: move them alike
             slots = right_align(slots, attention_mask)[0]
@@ -139,14 +146,15 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         b, s = ids.shape
         positions = torch.arange(s).expand(b, s).contiguous()
         slots, table = self._block_indices(seq_ids, positions, mask, slots, table)
-        params, rand = self._sampling_inputs(b, sampling_params)
+        params, rand = self._sampling_inputs(b, sampling_params, rand)
         inputs = (ids, mask, positions, seq_ids, params, rand, slots, table)
         outputs = self.context_encoding_model(inputs, self.kv_cache, self.weights, self.scratch)
         self.next_positions[seq_ids.long()] = lengths
         self.kv_cache_populated = True
         return self._output(outputs)
 
-    def _run_token_gen(self, input_ids, position_ids, seq_ids, sampling_params, slots, table):
+    def _run_token_gen(self, input_ids, position_ids, seq_ids, sampling_params, slots, table,
+                       rand=None):
         if input_ids.shape[1] != 1:
             raise ValueError("token generation takes one new token per sequence (input_ids [B, 1])")
         if position_ids is None:
@@ -159,7 +167,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         b = input_ids.shape[0]
         mask = torch.ones(b, 1, dtype=torch.long)
         slots, table = self._block_indices(seq_ids, position_ids, mask, slots, table)
-        params, rand = self._sampling_inputs(b, sampling_params)
+        params, rand = self._sampling_inputs(b, sampling_params, rand)
         inputs = (input_ids.long(), mask, position_ids, seq_ids, params, rand, slots, table)
         outputs = self.token_generation_model(inputs, self.kv_cache, self.weights, self.scratch)
         self.next_positions[seq_ids.long()] = position_ids[:, 0] + 1

@@ -1,0 +1,127 @@
+"""Prometheus metrics every service exports, in one private registry per service instance.
+
+Each metric carries a ``role`` label (router, prefill, decode) and its unit in its name. Services
+update the attributes (``metrics.queue_depth_requests.set(3)``,
+``metrics.time_to_first_token_seconds.observe(0.2)``, ``metrics.requests_total.inc("ok")``);
+:meth:`ServingMetrics.render` gives the text exposition and :meth:`ServingMetrics.start_http_server`
+serves ``GET /metrics`` from a background thread."""
+from __future__ import annotations
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+from prometheus_client import start_http_server as _prometheus_http_server
+
+ROLES = ("router", "prefill", "decode")
+OUTCOMES = ("ok", "cancelled", "error", "rejected", "invalid")
+
+# Latency buckets, seconds: time to first token and whole requests span ms to minutes; the gap
+# between tokens is ms to seconds; a KV transfer ms to a minute.
+TTFT_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                        60.0, 120.0, 300.0)
+ITL_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+                       2.5, 5.0, 10.0)
+E2E_BUCKETS_SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+                       600.0, 1200.0)
+KV_TRANSFER_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                               2.5, 5.0, 10.0, 30.0, 60.0)
+
+# (attribute and metric name without the "nxdi_" prefix, help text, buckets)
+HISTOGRAMS = (
+    ("time_to_first_token_seconds", "Time from request arrival to its first token",
+     TTFT_BUCKETS_SECONDS),
+    ("inter_token_latency_seconds", "Time between consecutive tokens of one request",
+     ITL_BUCKETS_SECONDS),
+    ("e2e_request_latency_seconds", "Time from request arrival to its last token",
+     E2E_BUCKETS_SECONDS),
+    ("kv_transfer_duration_seconds", "Time to move one request's KV cache between workers",
+     KV_TRANSFER_BUCKETS_SECONDS),
+)
+GAUGES = (
+    ("queue_depth_requests", "Requests admitted and waiting to run"),
+    ("running_sequences", "Sequences in the running batch"),
+    ("kv_blocks_used_blocks", "KV cache blocks in use"),
+    ("kv_blocks_free_blocks", "KV cache blocks free to reserve"),
+    ("open_kv_transfers", "KV transfers in progress"),
+)
+COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
+    ("kv_transfer_bytes", "KV cache payload bytes sent or received"),
+    ("generated_tokens", "Tokens generated"),
+    ("prompt_tokens", "Prompt tokens processed"),
+)
+PREFIX = "nxdi_"
+
+
+class OutcomeCounter:
+    """``nxdi_requests_total{outcome=...}``: every outcome exported from the start (as 0)."""
+
+    def __init__(self, counter: Counter, role: str):
+        self._children = {o: counter.labels(role=role, outcome=o) for o in OUTCOMES}
+
+    def inc(self, outcome: str, amount: float = 1) -> None:
+        """Count ``amount`` finished requests with ``outcome`` (one of OUTCOMES)."""
+        self.labels(outcome).inc(amount)
+
+    def labels(self, outcome: str):
+        if outcome not in self._children:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+        return self._children[outcome]
+
+
+class ServingMetrics:
+    """The metrics of one service instance (``role``: router, prefill or decode).
+
+    Attributes (prometheus_client children, already labelled with the role):
+    histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+    ``e2e_request_latency_seconds``, ``kv_transfer_duration_seconds``; gauges
+    ``queue_depth_requests``, ``running_sequences``, ``kv_blocks_used_blocks``,
+    ``kv_blocks_free_blocks``, ``open_kv_transfers``; counters ``kv_transfer_bytes_total``,
+    ``generated_tokens_total``, ``prompt_tokens_total``; and ``requests_total``, an
+    :class:`OutcomeCounter` (``requests_total.inc("ok")``)."""
+
+    def __init__(self, role: str):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.role = role
+        self.registry = CollectorRegistry()
+        self._http_server = None
+        for name, doc, buckets in HISTOGRAMS:
+            metric = Histogram(PREFIX + name, doc, ["role"], buckets=buckets,
+                               registry=self.registry)
+            setattr(self, name, metric.labels(role=role))
+        for name, doc in GAUGES:
+            setattr(self, name, Gauge(PREFIX + name, doc, ["role"],
+                                      registry=self.registry).labels(role=role))
+        for name, doc in COUNTERS:
+            setattr(self, name + "_total", Counter(PREFIX + name, doc, ["role"],
+                                                   registry=self.registry).labels(role=role))
+        requests = Counter(PREFIX + "requests", "Finished requests by outcome",
+                           ["role", "outcome"], registry=self.registry)
+        self.requests_total = OutcomeCounter(requests, role)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """The current value of one sample (e.g. ``value("nxdi_requests_total", outcome="ok")``),
+        the role label filled in; None when there is no such sample."""
+        return self.registry.get_sample_value(name, {"role": self.role, **labels})
+
+    def start_http_server(self, host: str, port: int) -> int:
+        """Serve ``GET /metrics`` on ``host:port`` from a daemon thread (port 0: a free port);
+        returns the bound port. At most one server per instance."""
+        if self._http_server is not None:
+            raise RuntimeError("the metrics HTTP server is already running")
+        if not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"metrics port must be in [0, 65535], got {port!r}")
+        server, _thread = _prometheus_http_server(port, addr=host.strip("[]"),
+                                                  registry=self.registry)
+        self._http_server = server
+        return server.server_port
+
+    def stop_http_server(self) -> None:
+        """Stop the metrics HTTP server, if running."""
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+            self._http_server = None

@@ -1,0 +1,65 @@
+"""Protobuf <-> internal types for the Prefill service: the one module of prefill_service that
+imports the generated ``serving_pb2`` modules or builds and reads their messages (it builds on
+the shared ``nxdi_common.serving.convert`` and ``kv_transfer`` conversions)."""
+from __future__ import annotations
+
+from nxdi_common import kv_transfer
+from nxdi_common.kv_transfer import KVChunkData, ModelFingerprint
+from nxdi_common.serving.convert import logprobs_to_proto, sampling_from_proto
+from nxdi_common.serving.errors import FailedPrecondition
+from nxdi_common.serving.types import PrefillJob
+from prefill_service.scheduler import FirstTokenResult, LoadReport
+from protos.nxdi.serving.v1 import serving_pb2, serving_pb2_grpc
+
+SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+add_servicer = serving_pb2_grpc.add_PrefillServicer_to_server
+
+
+def fingerprint_from_request(msg: serving_pb2.PrefillRequest) -> ModelFingerprint | None:
+    """The caller's model fingerprint; None when absent. FailedPrecondition when it is there but
+    incomplete or names an unknown dtype (it cannot equal ours)."""
+    if not msg.HasField("fingerprint"):
+        return None
+    try:
+        return kv_transfer.fingerprint_from_proto(msg.fingerprint)
+    except ValueError as exc:  # KVChunkError is a ValueError too
+        raise FailedPrecondition(f"fingerprint: {exc}") from None
+
+
+def job_from_proto(msg: serving_pb2.PrefillRequest) -> PrefillJob:
+    """The PrefillJob a request asks for (sampling validated here; the rest by the server)."""
+    return PrefillJob(
+        request_id=msg.request_id, prompt_ids=tuple(msg.prompt_token_ids),
+        sampling=sampling_from_proto(msg.sampling), kv_token_start=msg.kv_token_start,
+        head_start=msg.head_start, head_end=msg.head_end, max_chunk_bytes=msg.max_chunk_bytes)
+
+
+def first_token_event(first: FirstTokenResult) -> serving_pb2.PrefillEvent:
+    """The stream's first event."""
+    msg = serving_pb2.FirstToken(token_id=first.token_id, compute_ns=first.compute_ns)
+    if first.logprob is not None:
+        msg.logprob = first.logprob
+    msg.top_logprobs.extend(logprobs_to_proto(first.top_logprobs))
+    return serving_pb2.PrefillEvent(first_token=msg)
+
+
+def chunk_event(chunk: KVChunkData) -> serving_pb2.PrefillEvent:
+    """One kv_chunk event."""
+    return serving_pb2.PrefillEvent(kv_chunk=kv_transfer.chunk_to_proto(chunk))
+
+
+def done_event(num_chunks: int, payload_bytes: int, transfer_ns: int) -> serving_pb2.PrefillEvent:
+    """The stream's last event."""
+    return serving_pb2.PrefillEvent(done=serving_pb2.PrefillDone(
+        num_chunks=num_chunks, payload_bytes=payload_bytes, transfer_ns=transfer_ns))
+
+
+def load_to_proto(report: LoadReport) -> serving_pb2.WorkerLoad:
+    """The WorkerLoad message of a prefill worker (it has no KV blocks: those fields stay 0)."""
+    return serving_pb2.WorkerLoad(
+        role=serving_pb2.WORKER_ROLE_PREFILL, address=report.address,
+        fingerprint=kv_transfer.fingerprint_to_proto(report.fingerprint),
+        queued_prompt_tokens=report.queued_prompt_tokens,
+        queued_requests=report.queued_requests, running_sequences=report.running_sequences,
+        max_running_sequences=report.max_running_sequences,
+        open_transfers=report.open_transfers, reported_at_unix_ns=report.reported_at_unix_ns)

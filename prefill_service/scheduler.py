@@ -1,0 +1,312 @@
+"""Prefill scheduling and the torch work: waiting prompts are batched by context-encoding (CTE)
+length bucket and run on one dedicated worker thread, never on the event loop.
+
+- :class:`PrefillScheduler` holds the waiting prompts and picks the next batch (no threads, no
+  torch): the oldest waiting prompt's bucket, then up to ``ctx_batch_size`` waiting prompts of
+  that bucket, oldest first.
+- :class:`PrefillEngine` owns the model and its worker thread. Each batch runs CTE over rows
+  ``0..B-1`` of the flat KV cache, samples the first tokens, copies every request's KV out of its
+  cache row into the request's own tensors and so frees the rows before the next batch; the result
+  is handed to the event loop with ``loop.call_soon_threadsafe``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from nxdi_common import bucketing
+from nxdi_common.serving.errors import Overloaded, Unavailable
+from nxdi_common.serving.types import PrefillJob, SamplingOptions, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FirstTokenResult:
+    """The first generated token of a prompt."""
+
+    token_id: int
+    logprob: float | None = None  # set when the request asked for logprobs
+    top_logprobs: tuple[TokenLogprob, ...] = ()
+    compute_ns: int = 0  # wall time of the CTE batch that encoded the prompt
+
+
+@dataclass
+class PrefillOutput:
+    """What one request gets back from the engine: its first token and its own copy of the KV it
+    asked for (positions [kv_token_start, len(prompt)), its head range)."""
+
+    first: FirstTokenResult
+    k: torch.Tensor  # [layers, tokens, heads, head_dim]
+    v: torch.Tensor  # [layers, tokens, heads, head_dim]
+
+
+@dataclass(eq=False)
+class PrefillTask:
+    """One admitted request: the job, the KV heads to return, and the future its result is
+    delivered to (on ``loop``)."""
+
+    job: PrefillJob
+    heads: tuple[int, int]  # [h0, h1) KV heads to copy out
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    bucket: int = 0  # CTE length bucket, set by the scheduler
+    arrival_ns: int = field(default_factory=time.perf_counter_ns)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.job.prompt_ids)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A prefill worker's load at one instant (the internal twin of the WorkerLoad message)."""
+
+    address: str
+    fingerprint: object  # kv_transfer.ModelFingerprint
+    queued_prompt_tokens: int
+    queued_requests: int
+    running_sequences: int
+    max_running_sequences: int
+    open_transfers: int
+    reported_at_unix_ns: int
+
+
+class PrefillScheduler:
+    """Bounded FIFO of waiting prompts, batched by CTE length bucket."""
+
+    def __init__(self, length_buckets: list[int], ctx_batch_size: int, max_queued: int):
+        if ctx_batch_size < 1 or max_queued < 1:
+            raise ValueError(f"ctx_batch_size ({ctx_batch_size}) and max_queued_requests "
+                             f"({max_queued}) must be at least 1")
+        self.length_buckets = list(length_buckets)
+        self.ctx_batch_size, self.max_queued = ctx_batch_size, max_queued
+        self.waiting: list[PrefillTask] = []
+
+    def add(self, task: PrefillTask) -> None:
+        """Queue ``task``; Overloaded when the queue is full."""
+        if len(self.waiting) >= self.max_queued:
+            raise Overloaded(f"prefill queue is full ({self.max_queued} requests waiting); "
+                             f"try another prefill worker")
+        task.bucket = bucketing.select_bucket(task.num_tokens, self.length_buckets,
+                                              "prompt length", "context-encoding")
+        self.waiting.append(task)
+
+    def remove(self, task: PrefillTask) -> bool:
+        """Drop ``task`` if it is still waiting; True if it was."""
+        if task in self.waiting:
+            self.waiting.remove(task)
+            return True
+        return False
+
+    def next_batch(self) -> list[PrefillTask]:
+        """Take the next batch off the queue: up to ctx_batch_size waiting prompts in the oldest
+        waiting prompt's bucket, oldest first ([] when nothing waits)."""
+        if not self.waiting:
+            return []
+        bucket = self.waiting[0].bucket
+        batch = [t for t in self.waiting if t.bucket == bucket][:self.ctx_batch_size]
+        for task in batch:
+            self.waiting.remove(task)
+        return batch
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        return sum(t.num_tokens for t in self.waiting)
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch work (worker thread only)
+# ---------------------------------------------------------------------------------------------
+
+def request_uniform(seed: int | None, rng: torch.Generator) -> float:
+    """The sampler's uniform for a request's first token: the first draw of a generator seeded
+    with ``seed`` (the decode worker skips that one draw and goes on), or a draw from ``rng``."""
+    if seed is None:
+        return float(torch.rand(1, generator=rng))
+    return float(torch.rand(1, generator=torch.Generator().manual_seed(seed)))
+
+
+def batch_inputs(jobs: list[PrefillJob], rng: torch.Generator):
+    """Right-padded model inputs for a CTE batch: ids [B, S], mask [B, S], positions [B, S],
+    sampling_params [B, 3], rand [B]."""
+    b, s = len(jobs), max(len(j.prompt_ids) for j in jobs)
+    ids = torch.zeros(b, s, dtype=torch.long)
+    mask = torch.zeros(b, s, dtype=torch.long)
+    for i, job in enumerate(jobs):
+        ids[i, :len(job.prompt_ids)] = torch.tensor(job.prompt_ids, dtype=torch.long)
+        mask[i, :len(job.prompt_ids)] = 1
+    positions = torch.arange(s).expand(b, s)  # starts at 0: forces context encoding
+    params = torch.tensor([j.sampling.as_row() for j in jobs], dtype=torch.float32)
+    rand = torch.tensor([request_uniform(j.sampling.seed, rng) for j in jobs], dtype=torch.float32)
+    return ids, mask, positions, params, rand
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int,
+                   sampling: SamplingOptions) -> tuple[float | None, tuple[TokenLogprob, ...]]:
+    """logprob of ``token_id`` and the top alternatives under the temperature-scaled distribution
+    (plain log_softmax when greedy). ``logits``: [vocab] float32."""
+    if not sampling.logprobs:
+        return None, ()
+    scaled = logits.float() if sampling.greedy else logits.float() / sampling.temperature
+    lp = torch.log_softmax(scaled, dim=-1)  # [vocab]
+    top = ()
+    if sampling.top_logprobs:
+        values, ids = torch.topk(lp, min(sampling.top_logprobs, lp.shape[0]))
+        top = tuple(TokenLogprob(int(i), float(x)) for i, x in zip(ids, values))
+    return float(lp[token_id]), top
+
+
+def copy_kv(cache: torch.Tensor, row: int, tokens: tuple[int, int],
+            heads: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of cache row ``row``, positions [t0, n), heads [h0, h1), as new tensors
+    [layers, tokens, heads, head_dim]; ``cache`` is the flat [layers, 2, rows+1, kv_heads,
+    seq_len, head_dim] KV cache."""
+    (t0, n), (h0, h1) = tokens, heads
+    k = cache[:, 0, row, h0:h1, t0:n].permute(0, 2, 1, 3).contiguous()
+    v = cache[:, 1, row, h0:h1, t0:n].permute(0, 2, 1, 3).contiguous()
+    return k, v
+
+
+def run_batch(model, batch: list[PrefillTask], rng: torch.Generator) -> list[PrefillOutput]:
+    """Encode ``batch`` in cache rows 0..B-1, sample first tokens and copy each request's KV out
+    (after which the rows are free again)."""
+    jobs = [t.job for t in batch]
+    ids, mask, positions, params, rand = batch_inputs(jobs, rng)
+    rows = torch.arange(len(batch), dtype=torch.int32)  # [B] cache rows as seq_ids
+    start = time.perf_counter_ns()
+    out = model.forward(ids, seq_ids=rows, attention_mask=mask, position_ids=positions,
+                        sampling_params=params, rand=rand)
+    compute_ns = time.perf_counter_ns() - start
+    results = []
+    for i, task in enumerate(batch):
+        token = int(out.tokens[i])
+        logprob, top = token_logprobs(out.logits[i], token, task.job.sampling)
+        k, v = copy_kv(model.kv_cache, i, (task.job.kv_token_start, task.num_tokens), task.heads)
+        results.append(PrefillOutput(FirstTokenResult(token, logprob, top, compute_ns), k, v))
+    return results
+
+
+def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    """Set a future's outcome, on its event loop (a future cancelled meanwhile drops it)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def deliver(task: PrefillTask, result=None, error: BaseException | None = None) -> None:
+    """Hand a result (or error) to the task's event loop from any thread."""
+    try:
+        task.loop.call_soon_threadsafe(_resolve, task.future, result, error)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        log.debug("dropped the result of %s: event loop closed", task.job.request_id)
+
+
+class PrefillEngine:
+    """The model, the waiting queue and the one worker thread that runs every CTE batch.
+
+    ``submit`` / ``drop`` / ``counts`` are called from the event loop; the worker thread takes
+    batches with ``scheduler.next_batch`` under the same lock. ``on_change(queued, running)`` is
+    called (from either thread) whenever those counts change."""
+
+    def __init__(self, model, scheduler: PrefillScheduler,
+                 on_change: Callable[[int, int], None] | None = None):
+        rows = model.neuron_config.max_batch_size
+        if scheduler.ctx_batch_size > rows:
+            raise ValueError(f"ctx_batch_size {scheduler.ctx_batch_size} exceeds the KV cache's "
+                             f"{rows} rows (max_batch_size); raise max_batch_size")
+        self.model, self.scheduler = model, scheduler
+        self.on_change = on_change or (lambda queued, running: None)
+        self.running = 0  # prompts in the batch being encoded
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._rng = torch.Generator()
+        self._rng.seed()
+
+    def start(self) -> None:
+        """Start the worker thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the worker thread after its current batch; waiting requests fail UNAVAILABLE."""
+        with self._cond:
+            self._stopping = True
+            waiting, self.scheduler.waiting = self.scheduler.waiting, []
+            self._cond.notify_all()
+        for task in waiting:
+            deliver(task, error=Unavailable("prefill worker is shutting down"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, job: PrefillJob, heads: tuple[int, int]) -> PrefillTask:
+        """Queue a validated job (Overloaded when the queue is full); await ``task.future``."""
+        loop = asyncio.get_running_loop()
+        task = PrefillTask(job, heads, loop, loop.create_future())
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("prefill worker is shutting down")
+            self.scheduler.add(task)
+            self._cond.notify()
+            self._changed()
+        return task
+
+    def drop(self, task: PrefillTask) -> None:
+        """Forget ``task``: off the queue if still waiting, its result discarded if running."""
+        if not task.future.done():
+            task.future.cancel()
+        with self._cond:
+            if self.scheduler.remove(task):
+                self._changed()
+
+    def counts(self) -> tuple[int, int, int]:
+        """(queued requests, queued prompt tokens, running sequences)."""
+        with self._cond:
+            return (len(self.scheduler.waiting), self.scheduler.queued_prompt_tokens,
+                    self.running)
+
+    def _changed(self) -> None:
+        """Report the counts (call with the lock held)."""
+        self.on_change(len(self.scheduler.waiting), self.running)
+
+    def _next(self) -> list[PrefillTask] | None:
+        """Block until there is a batch (None once stopping)."""
+        with self._cond:
+            while not self._stopping and not self.scheduler.waiting:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            batch = self.scheduler.next_batch()
+            self.running = len(batch)
+            self._changed()
+            return batch
+
+    def _loop(self) -> None:
+        while (batch := self._next()) is not None:
+            self._run(batch)
+
+    def _run(self, batch: list[PrefillTask]) -> None:
+        """Run one batch and deliver its results (nothing of it stays referenced here)."""
+        try:
+            results = run_batch(self.model, batch, self._rng)
+            for task, result in zip(batch, results):
+                deliver(task, result)
+        except Exception as exc:  # noqa: BLE001 - reported to every request of the batch
+            log.exception("prefill batch failed")
+            for task in batch:
+                deliver(task, error=exc)
+        finally:
+            with self._cond:
+                self.running = 0
+                self._changed()

@@ -1,0 +1,316 @@
+"""The prefill worker's gRPC service (``nxdi.serving.v1.Prefill``) and its command line.
+
+``Prefill`` validates a request (the model fingerprint first), queues it on the engine, then
+streams: one first_token event as soon as context encoding is done, the request's KV in chunks,
+and one done event. Whatever the worker holds for a request (its queue entry, its KV copy) is
+freed when the stream ends, however it ends. Handlers raise; the StatusInterceptor maps errors to
+status codes."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from nxdi_common import kv_transfer
+from nxdi_common.kv_transfer import ModelFingerprint, fingerprint_mismatch
+from nxdi_common.serving import worker
+from nxdi_common.serving.errors import FailedPrecondition, InvalidRequest, Overloaded
+from nxdi_common.serving.grpc_server import GrpcServer, install_shutdown, print_ready
+from nxdi_common.serving.metrics import ServingMetrics
+from nxdi_common.serving.types import ModelLimits, PrefillJob, check_prompt
+from prefill_service import convert
+from prefill_service.scheduler import (LoadReport, PrefillEngine, PrefillOutput, PrefillScheduler,
+                                       PrefillTask)
+
+log = logging.getLogger("prefill_service")
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    """Capacity of a prefill worker."""
+
+    max_batch_size: int = 4  # KV cache rows
+    ctx_batch_size: int = 4  # prompts per CTE batch
+    max_queued_requests: int = 64  # admitted, waiting prompts; more are refused
+    max_chunk_bytes: int = kv_transfer.DEFAULT_MAX_CHUNK_BYTES  # K+V payload per KV chunk
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be at least 1, got {getattr(self, f.name)}")
+        if self.ctx_batch_size > self.max_batch_size:
+            raise ValueError(f"ctx_batch_size {self.ctx_batch_size} exceeds max_batch_size "
+                             f"{self.max_batch_size}; raise --max-batch-size")
+
+
+def check_fingerprint(ours: ModelFingerprint, theirs: ModelFingerprint | None) -> None:
+    """FailedPrecondition unless the caller's fingerprint equals ours."""
+    if theirs is None:
+        raise FailedPrecondition(f"fingerprint: the request carries none; this worker serves "
+                                 f"{ours}")
+    mismatch = fingerprint_mismatch(ours, theirs)
+    if mismatch:
+        raise FailedPrecondition(mismatch)
+
+
+def head_range(job: PrefillJob, num_kv_heads: int) -> tuple[int, int]:
+    """The KV heads [h0, h1) to send (0, 0: all of them)."""
+    if job.head_start == 0 and job.head_end == 0:
+        return 0, num_kv_heads
+    if not 0 <= job.head_start < job.head_end <= num_kv_heads:
+        raise InvalidRequest("head_start", f"heads [{job.head_start}, {job.head_end}) are not a "
+                                           f"non-empty range within the model's {num_kv_heads} "
+                                           f"KV heads (0 and 0 mean all)")
+    return job.head_start, job.head_end
+
+
+def chunk_bound(job: PrefillJob, heads: tuple[int, int], fp: ModelFingerprint,
+                own_bytes: int) -> int:
+    """The chunk payload bound for ``job``: the smaller of the caller's (when set) and ours; it
+    must hold the K+V of one token of one layer."""
+    bound = min(job.max_chunk_bytes, own_bytes) if job.max_chunk_bytes else own_bytes
+    row = 2 * (heads[1] - heads[0]) * fp.head_dim * kv_transfer.DTYPES[fp.kv_dtype].itemsize
+    if row > bound:
+        raise InvalidRequest("max_chunk_bytes", f"{bound} bytes cannot hold the K+V of one token "
+                                                f"of one layer ({row} bytes)")
+    return bound
+
+
+def check_job(job: PrefillJob, limits: ModelLimits, fp: ModelFingerprint,
+              own_chunk_bytes: int) -> tuple[tuple[int, int], int]:
+    """Validate a job against the model; return its head range and chunk bound."""
+    if not job.request_id or len(job.request_id.encode()) > kv_transfer.MAX_REQUEST_ID_BYTES:
+        raise InvalidRequest("request_id", f"must be 1..{kv_transfer.MAX_REQUEST_ID_BYTES} "
+                                           f"UTF-8 bytes, got {job.request_id!r:.300}")
+    check_prompt(job.prompt_ids, limits, "prompt_token_ids")
+    if job.kv_token_start >= len(job.prompt_ids):
+        raise InvalidRequest("kv_token_start", f"{job.kv_token_start} must be below the prompt "
+                                               f"length {len(job.prompt_ids)}")
+    heads = head_range(job, fp.num_kv_heads)
+    return heads, chunk_bound(job, heads, fp, own_chunk_bytes)
+
+
+def outcome_of(exc: BaseException | None) -> str:
+    """The requests_total outcome label of a stream that ended with ``exc``."""
+    if exc is None:
+        return "ok"
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    if isinstance(exc, Overloaded):
+        return "rejected"
+    if isinstance(exc, (InvalidRequest, FailedPrecondition)):
+        return "invalid"
+    return "error"
+
+
+class PrefillServicer:
+    """``nxdi.serving.v1.Prefill``: handlers run on the event loop; torch work on the engine."""
+
+    def __init__(self, engine: PrefillEngine, fingerprint: ModelFingerprint, limits: ModelLimits,
+                 metrics: ServingMetrics, settings: PrefillSettings):
+        self.engine, self.fingerprint, self.limits = engine, fingerprint, limits
+        self.metrics, self.settings = metrics, settings
+        self.address = ""  # "host:port", set once bound
+        self.open_transfers = 0  # streams sending KV now
+
+    async def Prefill(self, request, context) -> None:  # noqa: N802 - gRPC method name
+        """Stream first_token, kv_chunk..., done for one prompt (see the proto)."""
+        arrival_ns = time.perf_counter_ns()
+        error = None
+        try:
+            await self._prefill(request, context, arrival_ns)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.metrics.requests_total.inc(outcome_of(error))
+
+    async def _prefill(self, request, context, arrival_ns: int) -> None:
+        """Validate (fingerprint first), queue, stream; the queue entry is dropped however the
+        stream ends."""
+        check_fingerprint(self.fingerprint, convert.fingerprint_from_request(request))
+        job = convert.job_from_proto(request)
+        heads, chunk_bytes = check_job(job, self.limits, self.fingerprint,
+                                       self.settings.max_chunk_bytes)
+        task = self.engine.submit(job, heads)
+        try:
+            await self._stream(task, context, arrival_ns, chunk_bytes)
+        finally:
+            self.engine.drop(task)
+
+    async def _stream(self, task: PrefillTask, context, arrival_ns: int, chunk_bytes: int):
+        """Wait for the engine's result, then send it; the KV copy is released on the way out."""
+        out: PrefillOutput = await task.future
+        try:
+            await write(context, convert.first_token_event(out.first))
+            self.metrics.time_to_first_token_seconds.observe(_seconds_since(arrival_ns))
+            self.metrics.prompt_tokens_total.inc(task.num_tokens)
+            self._count_transfer(+1)
+            try:
+                done = await self._send_kv(task, out, context, chunk_bytes)
+            finally:
+                self._count_transfer(-1)
+            await write(context, convert.done_event(*done))
+            self.metrics.e2e_request_latency_seconds.observe(_seconds_since(arrival_ns))
+        finally:
+            out.k = out.v = None
+
+    async def _send_kv(self, task: PrefillTask, out: PrefillOutput, context,
+                       chunk_bytes: int) -> tuple[int, int, int]:
+        """Send the KV chunks; returns (num_chunks, payload_bytes, transfer_ns)."""
+        chunks = kv_transfer.encode_chunks(
+            task.job.request_id, out.k, out.v, token_start=task.job.kv_token_start,
+            head_start=task.heads[0], max_chunk_bytes=chunk_bytes)
+        start, count, total = time.perf_counter_ns(), 0, 0
+        try:
+            for chunk in chunks:  # one chunk's bytes exist at a time
+                await write(context, convert.chunk_event(chunk))
+                size = len(chunk.k) + len(chunk.v)
+                count, total = count + 1, total + size
+                self.metrics.kv_transfer_bytes_total.inc(size)
+        finally:
+            chunks.close()  # releases the generator's hold on the KV tensors at once
+        elapsed = time.perf_counter_ns() - start
+        self.metrics.kv_transfer_duration_seconds.observe(elapsed / 1e9)
+        return count, total, elapsed
+
+    def _count_transfer(self, delta: int) -> None:
+        self.open_transfers += delta
+        self.metrics.open_kv_transfers.set(self.open_transfers)
+
+    async def GetLoad(self, request, context):  # noqa: N802 - gRPC method name
+        """This worker's load report."""
+        return convert.load_to_proto(self.load())
+
+    def load(self) -> LoadReport:
+        queued, queued_tokens, running = self.engine.counts()
+        return LoadReport(self.address, self.fingerprint, queued_tokens, queued, running,
+                          self.settings.ctx_batch_size, self.open_transfers, time.time_ns())
+
+
+async def write(context, message) -> None:
+    """Send one stream message. A send that fails means the stream is gone (the client cancelled
+    or the connection broke; grpc reports the cancellation only after the failed send): raise
+    CancelledError, which ends the handler as a cancelled stream."""
+    try:
+        await context.write(message)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - grpc raises its internal ExecuteBatchError here
+        raise asyncio.CancelledError(f"stream closed by the peer ({type(exc).__name__})") from exc
+
+
+def _seconds_since(start_ns: int) -> float:
+    return (time.perf_counter_ns() - start_ns) / 1e9
+
+
+def host_port(host: str, port: int) -> str:
+    """"host:port", bracketing an IPv6 host."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class PrefillApp:
+    """A prefill worker: engine, servicer, gRPC server and metrics around one loaded model."""
+
+    def __init__(self, model, fingerprint: ModelFingerprint, settings: PrefillSettings,
+                 metrics: ServingMetrics | None = None):
+        self.settings = settings
+        self.metrics = metrics or ServingMetrics("prefill")
+        scheduler = PrefillScheduler(model.context_encoding_model.length_buckets,
+                                     settings.ctx_batch_size, settings.max_queued_requests)
+        self.engine = PrefillEngine(model, scheduler, self._on_change)
+        limits = ModelLimits(model.neuron_config.seq_len, model.config.vocab_size)
+        self.servicer = PrefillServicer(self.engine, fingerprint, limits, self.metrics, settings)
+        self.grpc: GrpcServer | None = None
+
+    def _on_change(self, queued: int, running: int) -> None:
+        self.metrics.queue_depth_requests.set(queued)
+        self.metrics.running_sequences.set(running)
+
+    async def start(self, host: str, port: int, start_engine: bool = True) -> int:
+        """Serve on host:port (0: a free port); returns the bound port. With start_engine False
+        requests queue up until ``engine.start()``."""
+        max_bytes = kv_transfer.max_message_bytes(
+            self.settings.max_chunk_bytes, max_prompt_tokens=self.servicer.limits.max_model_len)
+        self.grpc = GrpcServer([(convert.add_servicer, self.servicer, convert.SERVICE_NAME)],
+                               max_bytes)
+        bound = await self.grpc.start(host, port)
+        self.servicer.address = host_port(host, bound)
+        if start_engine:
+            self.engine.start()
+        return bound
+
+    async def stop(self, grace_seconds: float | None = 10.0) -> None:
+        """Refuse new requests, let running streams finish for up to grace_seconds, then stop."""
+        if self.grpc is not None:
+            await self.grpc.stop(grace_seconds)
+        await asyncio.to_thread(self.engine.stop)
+        self.metrics.stop_http_server()
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m prefill_service",
+                                description="Prefill worker: context encoding, first token, and "
+                                            "the prompt's KV cache streamed to a decode worker.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port")
+    worker.add_model_args(p)
+    p.add_argument("--max-batch-size", type=int, default=4, help="KV cache rows")
+    p.add_argument("--ctx-batch-size", type=int, default=4, help="prompts per CTE batch")
+    p.add_argument("--max-queued-requests", type=int, default=64,
+                   help="waiting prompts beyond this are refused (RESOURCE_EXHAUSTED)")
+    p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES,
+                   help="K+V payload per KV chunk, in bytes")
+    p.add_argument("--model-name", help="model name in the fingerprint (default: the "
+                                        "checkpoint directory's name)")
+    p.add_argument("--grace-seconds", type=float, default=10.0,
+                   help="on SIGTERM, how long running streams may take to finish")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> PrefillSettings:
+    return PrefillSettings(args.max_batch_size, args.ctx_batch_size, args.max_queued_requests,
+                           args.max_chunk_bytes)
+
+
+def load_app(args: argparse.Namespace) -> PrefillApp:
+    """Load the model the arguments name and build the worker around it."""
+    settings = settings_from_args(args)
+    opts = worker.model_options_from_args(args)
+    config = worker.prefill_neuron_config(opts, settings.max_batch_size, settings.ctx_batch_size)
+    model = worker.load_model(opts, config)
+    fingerprint = worker.model_fingerprint(model, opts)
+    if args.model_name:
+        fingerprint = dataclasses.replace(fingerprint, model_name=args.model_name)
+    return PrefillApp(model, fingerprint, settings)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Load, serve, print the ready line, and run until SIGTERM / SIGINT (graceful stop)."""
+    app = load_app(args)
+    port = await app.start(args.host, args.port)
+    metrics_port = app.metrics.start_http_server(args.host, args.metrics_port)
+    stopped = install_shutdown(asyncio.get_running_loop(),
+                               lambda: app.stop(args.grace_seconds))
+    log.info("prefill worker serving %s, fingerprint %s", app.servicer.address,
+             app.servicer.fingerprint)
+    print_ready("prefill", grpc=host_port(args.host, port),
+                metrics=host_port(args.host, metrics_port))
+    await stopped.wait()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(args))
+    return 0

@@ -1,0 +1,399 @@
+"""The prefill worker end to end: a real server on 127.0.0.1 (port 0), a gRPC client, and
+transformers as the reference for first tokens, logprobs and the KV cache."""
+import asyncio
+import dataclasses
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from nxdi_common import kv_transfer
+from nxdi_common.modules.sampling import sample_from_logits
+from nxdi_common.serving import worker
+from nxdi_common.serving.errors import Overloaded
+from nxdi_common.serving.grpc_server import channel_options
+from nxdi_common.serving.types import PrefillJob
+from prefill_service.scheduler import PrefillScheduler, PrefillTask
+from prefill_service.server import PrefillApp, PrefillSettings
+from protos.nxdi.serving.v1 import serving_pb2 as pb
+from protos.nxdi.serving.v1 import serving_pb2_grpc
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+GREEDY = pb.SamplingParams(temperature=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Harness: an in-process worker served from a background event loop
+# ---------------------------------------------------------------------------------------------
+
+def load(ckpt, max_model_len: int, settings: PrefillSettings):
+    opts = worker.ModelOptions(str(ckpt), "float32", max_model_len, "eager", None, 1)
+    config = worker.prefill_neuron_config(opts, settings.max_batch_size, settings.ctx_batch_size)
+    model = worker.load_model(opts, config)
+    return model, worker.model_fingerprint(model, opts)
+
+
+class LiveWorker:
+    """PrefillApp on 127.0.0.1:0 in a background event loop, with a client stub."""
+
+    def __init__(self, ckpt, max_model_len=256, start_engine=True, **settings):
+        self.settings = PrefillSettings(**settings)
+        model, self.fingerprint = load(ckpt, max_model_len, self.settings)
+        self.app = PrefillApp(model, self.fingerprint, self.settings)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = self.run(self.app.start("127.0.0.1", 0, start_engine=start_engine))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}",
+                                             options=channel_options(64 << 20))
+        self.stub = serving_pb2_grpc.PrefillStub(self.channel)
+
+    def run(self, coro, timeout=30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def request(self, ids, **kw) -> pb.PrefillRequest:
+        kw.setdefault("sampling", GREEDY)
+        kw.setdefault("request_id", "req")
+        kw.setdefault("fingerprint", kv_transfer.fingerprint_to_proto(self.fingerprint))
+        return pb.PrefillRequest(prompt_token_ids=list(ids), **kw)
+
+    def load(self) -> pb.WorkerLoad:
+        return self.stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+
+    def wait_load(self, **expected) -> pb.WorkerLoad:
+        """Poll GetLoad until every given field has the given value (5 s at most)."""
+        deadline = time.monotonic() + 5
+        while True:
+            report = self.load()
+            if all(getattr(report, k) == v for k, v in expected.items()):
+                return report
+            assert time.monotonic() < deadline, f"load never reached {expected}: {report}"
+            time.sleep(0.02)
+
+    def outcomes(self) -> dict[str, float]:
+        return {o: self.app.metrics.value("nxdi_requests_total", outcome=o)
+                for o in ("ok", "cancelled", "error", "rejected", "invalid")}
+
+    def close(self):
+        self.channel.close()
+        self.run(self.app.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def live(tiny_llama_ckpt, one_torch_thread):
+    w = LiveWorker(tiny_llama_ckpt)
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def make_live(tiny_llama_ckpt, one_torch_thread):
+    made = []
+
+    def make(ckpt=None, **kw):
+        made.append(LiveWorker(ckpt or tiny_llama_ckpt, **kw))
+        return made[-1]
+    yield make
+    for w in made:
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama_ckpt):
+    from transformers import LlamaForCausalLM
+    return LlamaForCausalLM.from_pretrained(tiny_llama_ckpt, dtype=torch.float32).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference and stream helpers
+# ---------------------------------------------------------------------------------------------
+
+def reference(hf, ids):
+    """transformers' last-position logits [V] and K, V [layers, tokens, kv_heads, head_dim]."""
+    with torch.no_grad():
+        out = hf(torch.tensor([list(ids)]), use_cache=True)
+    cache = out.past_key_values.layers
+    k = torch.stack([layer.keys[0].permute(1, 0, 2) for layer in cache])
+    v = torch.stack([layer.values[0].permute(1, 0, 2) for layer in cache])
+    return out.logits[0, -1].float(), k, v
+
+
+def split(events):
+    """(first_token, [KVChunkData], done) of a complete stream, checking the event order."""
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds == ["first_token"] + ["kv_chunk"] * (len(kinds) - 2) + ["done"]
+    chunks = [kv_transfer.chunk_from_proto(e.kv_chunk) for e in events[1:-1]]
+    return events[0].first_token, chunks, events[-1].done
+
+
+def assemble(chunks, fp, request_id, num_tokens, token_start, heads):
+    """Decode and validate the chunks into K, V [layers, tokens, heads, head_dim] (the requested
+    part only); checks that they cover that part exactly once."""
+    res = kv_transfer.Reservation.for_model(fp, request_id, num_tokens, token_start)
+    coverage = kv_transfer.KVCoverage(res)
+    shape = (fp.num_layers, num_tokens - token_start, heads[1] - heads[0], fp.head_dim)
+    k, v = torch.zeros(shape), torch.zeros(shape)
+    for chunk in chunks:
+        write = kv_transfer.decode_chunk(chunk, res)
+        coverage.add(write)
+        tokens = slice(write.tokens.start - token_start, write.tokens.stop - token_start)
+        heads_rel = slice(write.heads.start - heads[0], write.heads.stop - heads[0])
+        k[write.layers, tokens, heads_rel] = write.k
+        v[write.layers, tokens, heads_rel] = write.v
+    outside = fp.num_layers * (num_tokens - token_start) * (fp.num_kv_heads - heads[1] + heads[0])
+    assert coverage.missing() == outside
+    return k, v
+
+
+def prompt(n, offset=0):
+    return [(7 * i + 3 + offset) % 256 for i in range(n)]
+
+
+def check_greedy(live, hf, ids, events, request_id="req"):
+    """The stream carries transformers' greedy token and the prompt's whole KV."""
+    first, chunks, done = split(events)
+    logits, k_ref, v_ref = reference(hf, ids)
+    assert first.token_id == int(logits.argmax())
+    k, v = assemble(chunks, live.fingerprint, request_id, len(ids), 0, (0, 2))
+    torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=0)
+    assert done.num_chunks == len(chunks)
+    assert done.payload_bytes == sum(len(c.k) + len(c.v) for c in chunks)
+    return first
+
+
+# ---------------------------------------------------------------------------------------------
+# The rand argument of NeuronBaseForCausalLM.forward (the sampler's uniforms)
+# ---------------------------------------------------------------------------------------------
+
+def test_forward_rand_picks_the_sampled_token(tiny_llama_ckpt, hf):
+    model, _ = load(tiny_llama_ckpt, 64, PrefillSettings(1, 1))
+    ids = torch.tensor([prompt(9)])
+    top2 = reference(hf, ids[0].tolist())[0].topk(2).indices.tolist()
+    params = torch.tensor([[2.0, 1.0, 1.0]])  # top_k 2, top_p 1, temperature 1
+    picks = [int(model.forward(ids, sampling_params=params, rand=torch.tensor([u])).tokens[0])
+             for u in (0.0, 0.9999)]
+    assert picks == top2  # the lowest uniform takes the likeliest token, the highest the other
+    with pytest.raises(ValueError, match=r"rand must be \[batch\] = \[1\]"):
+        model.forward(ids, sampling_params=params, rand=torch.zeros(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler
+# ---------------------------------------------------------------------------------------------
+
+def test_scheduler_batches_the_oldest_bucket_fifo():
+    sched = PrefillScheduler([128, 256], ctx_batch_size=2, max_queued=5)
+    tasks = {n: PrefillTask(PrefillJob(f"r{n}", (1,) * n), (0, 2), None, None)
+             for n in (3, 200, 17, 150, 1)}
+    for task in tasks.values():
+        sched.add(task)
+    with pytest.raises(Overloaded, match="prefill queue is full"):
+        sched.add(PrefillTask(PrefillJob("extra", (1,)), (0, 2), None, None))
+    assert sched.queued_prompt_tokens == 3 + 200 + 17 + 150 + 1
+    assert sched.remove(tasks[17]) and not sched.remove(tasks[17])
+    batches = []
+    while batch := sched.next_batch():
+        batches.append([t.job.request_id for t in batch])
+    assert batches == [["r3", "r1"], ["r200", "r150"]]
+    assert [tasks[n].bucket for n in (3, 200, 1)] == [128, 256, 128]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill streams
+# ---------------------------------------------------------------------------------------------
+
+def test_greedy_first_token_logprobs_and_whole_kv(live, hf):
+    ids = prompt(20)
+    sampling = pb.SamplingParams(temperature=0, logprobs=True, top_logprobs=3)
+    events = list(live.stub.Prefill(live.request(ids, sampling=sampling), timeout=10))
+    first = check_greedy(live, hf, ids, events)
+    assert len(events) == 3  # one chunk: 2 layers x 20 tokens x 256 bytes fit the default bound
+    ref = torch.log_softmax(reference(hf, ids)[0], -1)
+    assert first.logprob == pytest.approx(float(ref.max()), abs=1e-4)
+    assert [t.token_id for t in first.top_logprobs] == ref.topk(3).indices.tolist()
+    assert [t.logprob for t in first.top_logprobs] == pytest.approx(ref.topk(3).values.tolist(),
+                                                                    abs=1e-4)
+    assert first.compute_ns > 0 and events[-1].done.transfer_ns > 0
+
+
+def test_kv_token_start_head_range_and_small_chunks(live, hf):
+    ids = prompt(20, offset=1)
+    # one token of one layer of one head is 2 x 16 x 4 = 128 bytes: 3 tokens per chunk
+    req = live.request(ids, request_id="part", kv_token_start=5, head_start=1, head_end=2,
+                       max_chunk_bytes=3 * 128 + 100)
+    first, chunks, done = split(list(live.stub.Prefill(req, timeout=10)))
+    assert len(chunks) == done.num_chunks == 2 * 5  # per layer: tokens 5..20 in steps of 3
+    assert all(len(c.k) + len(c.v) <= 3 * 128 for c in chunks)
+    assert {(c.head_start, c.head_end) for c in chunks} == {(1, 2)}
+    assert [(c.layer_start, c.token_start, c.token_end) for c in chunks[:5]] == \
+        [(0, 5, 8), (0, 8, 11), (0, 11, 14), (0, 14, 17), (0, 17, 20)]
+    k, v = assemble(chunks, live.fingerprint, "part", len(ids), 5, (1, 2))
+    logits, k_ref, v_ref = reference(hf, ids)
+    assert first.token_id == int(logits.argmax()) and not first.HasField("logprob")
+    torch.testing.assert_close(k, k_ref[:, 5:, 1:2], atol=1e-4, rtol=0)
+    torch.testing.assert_close(v, v_ref[:, 5:, 1:2], atol=1e-4, rtol=0)
+
+
+def test_queued_prompts_are_batched_by_bucket_and_all_correct(make_live, hf):
+    w = make_live(start_engine=False)
+    lengths = [3, 200, 17, 1, 140, 64]  # buckets 128, 256, 128, 128, 256, 128
+    results, threads = {}, []
+    for n in lengths:
+        req = w.request(prompt(n, offset=n), request_id=f"r{n}")
+        call = w.stub.Prefill(req, timeout=20)
+        threads.append(threading.Thread(target=lambda c=call, n=n: results.update({n: list(c)})))
+        threads[-1].start()
+        w.wait_load(queued_requests=len(threads))  # queue them in this order
+    report = w.wait_load(queued_requests=6)
+    assert report.queued_prompt_tokens == sum(lengths)
+    w.app.engine.start()
+    for t in threads:
+        t.join(20)
+    firsts = {n: check_greedy(w, hf, prompt(n, offset=n), results[n], f"r{n}") for n in lengths}
+    batch_times = {n: f.compute_ns for n, f in firsts.items()}  # shared by one batch's requests
+    assert len({batch_times[n] for n in (3, 17, 1, 64)}) == 1
+    assert len({batch_times[n] for n in (200, 140)}) == 1
+    assert batch_times[3] != batch_times[200]
+    assert w.wait_load(queued_requests=0, open_transfers=0).running_sequences == 0
+
+
+def test_seeded_sampling_is_reproducible(live, hf):
+    ids = prompt(12, offset=2)
+    logits = reference(hf, ids)[0]
+
+    def sample(seed, temperature=1.0):
+        sampling = pb.SamplingParams(temperature=temperature, top_k=0, seed=seed, logprobs=True)
+        events = list(live.stub.Prefill(live.request(ids, sampling=sampling), timeout=10))
+        return events[0].first_token
+    first = sample(1234)
+    assert sample(1234).token_id == first.token_id
+    u = torch.rand(1, generator=torch.Generator().manual_seed(1234))
+    expected = sample_from_logits(logits[None], torch.tensor([[0.0, 1.0, 1.0]]), u)
+    assert first.token_id == int(expected)
+    assert len({sample(seed).token_id for seed in range(6)}) > 1
+    hot = sample(7, temperature=0.5)
+    ref = torch.log_softmax(logits / 0.5, -1)[hot.token_id]
+    assert hot.logprob == pytest.approx(float(ref), abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals, queue bound, cancellation, load
+# ---------------------------------------------------------------------------------------------
+
+def refusal(w, req):
+    with pytest.raises(grpc.RpcError) as info:
+        list(w.stub.Prefill(req, timeout=5))
+    return info.value.code(), info.value.details()
+
+
+def test_refusals_name_the_field_and_queue_nothing(make_live):
+    w = make_live(start_engine=False)  # anything queued would stay visible in GetLoad
+    other = dataclasses.replace(w.fingerprint, dtype="bfloat16")
+    code, details = refusal(w, w.request(prompt(4), fingerprint=kv_transfer.fingerprint_to_proto(
+        other)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert details == "model fingerprint mismatch: dtype: local='float32' remote='bfloat16'"
+    no_fp = pb.PrefillRequest(request_id="x", prompt_token_ids=[1], sampling=GREEDY)
+    assert refusal(w, no_fp)[0] == grpc.StatusCode.FAILED_PRECONDITION
+    cases = [
+        (dict(ids=[]), "prompt_token_ids: must not be empty"),
+        (dict(ids=[1, 256]), "prompt_token_ids: token id 256 is outside [0, 256)"),
+        (dict(ids=prompt(256)), "prompt_token_ids: is 256 tokens"),
+        (dict(ids=prompt(4), kv_token_start=4), "kv_token_start: 4 must be below"),
+        (dict(ids=prompt(4), sampling=pb.SamplingParams(top_p=0)), "top_p: must be in (0, 1]"),
+        (dict(ids=prompt(4), head_start=1, head_end=3), "head_start: heads [1, 3)"),
+        (dict(ids=prompt(4), max_chunk_bytes=255), "max_chunk_bytes: 255 bytes cannot hold"),
+        (dict(ids=prompt(4), request_id=""), "request_id: must be 1..256"),
+    ]
+    for kw, message in cases:
+        code, details = refusal(w, w.request(kw.pop("ids"), **kw))
+        assert (code, details[:len(message)]) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    report = w.load()
+    assert (report.queued_requests, report.queued_prompt_tokens) == (0, 0)
+    assert w.outcomes() == {"ok": 0, "cancelled": 0, "error": 0, "rejected": 0, "invalid": 10}
+
+
+def test_queue_bound_load_report_and_cancel_while_queued(make_live, hf):
+    w = make_live(start_engine=False, max_queued_requests=2, ctx_batch_size=3)
+    calls = [w.stub.Prefill(w.request(prompt(n), request_id=f"q{n}"), timeout=20)
+             for n in (5, 9)]
+    before = time.time_ns()
+    report = w.wait_load(queued_requests=2)
+    assert report.role == pb.WORKER_ROLE_PREFILL
+    assert report.address == f"127.0.0.1:{w.port}"
+    assert report.fingerprint == kv_transfer.fingerprint_to_proto(w.fingerprint)
+    assert (report.queued_prompt_tokens, report.running_sequences,
+            report.max_running_sequences, report.open_transfers) == (14, 0, 3, 0)
+    assert (report.kv_blocks_used, report.kv_blocks_free, report.kv_block_size) == (0, 0, 0)
+    assert before <= report.reported_at_unix_ns <= time.time_ns()
+    code, details = refusal(w, w.request(prompt(3)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "prefill queue is full" in details
+    calls[0].cancel()  # still queued: dropped from the queue, never run
+    assert w.wait_load(queued_requests=1).queued_prompt_tokens == 9
+    w.app.engine.start()
+    check_greedy(w, hf, prompt(9), list(calls[1]), "q9")
+    w.wait_load(queued_requests=0, open_transfers=0)
+    assert w.outcomes() == {"ok": 1, "cancelled": 1, "error": 0, "rejected": 1, "invalid": 0}
+    assert w.app.metrics.value("nxdi_prompt_tokens_total") == 9
+
+
+@pytest.fixture(scope="module")
+def wide_ckpt(tmp_path_factory):
+    """8 layers' worth of KV per token (4 layers x 8 KV heads x 64 x fp32 = 16 KiB): a long prompt's
+    KV (24 MiB) is far more than gRPC and the sockets buffer, so an unread stream stalls."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=512, intermediate_size=256, num_attention_heads=8,
+                         num_key_value_heads=8, num_hidden_layers=4, vocab_size=256)
+    path = tmp_path_factory.mktemp("wide")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_cancel_mid_transfer_frees_everything(make_live, wide_ckpt):
+    w = make_live(wide_ckpt, max_model_len=1536, max_chunk_bytes=1 << 16)
+    call = w.stub.Prefill(w.request(prompt(1500), request_id="big"), timeout=30)
+    events = iter(call)
+    assert next(events).WhichOneof("event") == "first_token"
+    assert next(events).WhichOneof("event") == "kv_chunk"
+    assert w.wait_load(open_transfers=1).queued_requests == 0  # stalled: we are not reading
+    call.cancel()
+    w.wait_load(open_transfers=0, queued_requests=0, running_sequences=0)
+    deadline = time.monotonic() + 5
+    while w.outcomes()["cancelled"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert w.outcomes() == {"ok": 0, "cancelled": 1, "error": 0, "rejected": 0, "invalid": 0}
+    assert w.app.metrics.value("nxdi_open_kv_transfers") == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------
+
+def test_cli_serves_reports_ready_and_stops_on_sigterm(spawn, tiny_llama_ckpt, hf):
+    service = spawn("prefill_service", "--host", "127.0.0.1", "--port", 0, "--metrics-port", 0,
+                    "--model", tiny_llama_ckpt, "--backend", "eager", "--dtype", "float32",
+                    "--threads", 1, "--max-model-len", 64, "--model-name", "tiny")
+    assert service.info["role"] == "prefill"
+    with grpc.insecure_channel(service.grpc) as channel:
+        stub = serving_pb2_grpc.PrefillStub(channel)
+        report = stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+        assert report.address == service.grpc and report.fingerprint.model_name == "tiny"
+        ids = prompt(10)
+        req = pb.PrefillRequest(request_id="cli", prompt_token_ids=ids, sampling=GREEDY,
+                                fingerprint=report.fingerprint)
+        events = list(stub.Prefill(req, timeout=10))
+    assert events[0].first_token.token_id == int(reference(hf, ids)[0].argmax())
+    with urllib.request.urlopen(f"http://{service.info['metrics']}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'nxdi_requests_total{outcome="ok",role="prefill"} 1.0' in text
+    service.proc.send_signal(signal.SIGTERM)
+    assert service.proc.wait(timeout=20) == 0, service.output()
