@@ -1,0 +1,191 @@
+"""Serving benchmark: what disaggregation, the KV transfer and the router cost.
+
+    python bench/bench_serving.py [--dtype bfloat16] [--backend compiled] [--repeats 5]
+
+Measures, on loopback, with the bundled SmolLM2 unless --model is given:
+  1. raw loopback TCP throughput (one process sends 4 MiB writes to another), the peer figure;
+  2. KV transfer throughput: Prefill.Prefill called directly for a long prompt, every chunk
+     validated (ranges, length, CRC32C) and written into a tensor as the decode worker does;
+     bytes / (first chunk .. done);
+  3. TTFT through the router for 128/512/1024-token prompts, disaggregated (1 prefill + 1 decode)
+     and aggregated (the same decode worker prefilling locally: no prefill workers);
+  4. the router's cost: TTFT through Router.Generate vs Decode.Generate sent straight to the
+     decode worker with the same prefill candidate, medians.
+Results go to results/bench_serving.json and are printed as a table."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from nxdi_common import kv_transfer
+from nxdi_common.serving.launcher import Cluster, LaunchSpec
+from protos.nxdi.serving.v1 import serving_pb2 as pb
+from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
+
+PROMPT_LENGTHS = (128, 512, 1024)
+TCP_BYTES, TCP_WRITE = 1 << 30, 4 << 20
+
+
+def _tcp_sink(port_queue) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port_queue.put(server.getsockname()[1])
+        conn, _ = server.accept()
+        with conn:
+            while conn.recv_into(bytearray(TCP_WRITE)):
+                pass
+
+
+def raw_tcp_bytes_per_second() -> float:
+    """One process sends TCP_BYTES in TCP_WRITE writes to another over 127.0.0.1."""
+    ports = multiprocessing.Queue()
+    sink = multiprocessing.Process(target=_tcp_sink, args=(ports,))
+    sink.start()
+    payload = bytes(TCP_WRITE)
+    with socket.create_connection(("127.0.0.1", ports.get())) as conn:
+        start = time.perf_counter()
+        for _ in range(TCP_BYTES // TCP_WRITE):
+            conn.sendall(payload)
+        conn.shutdown(socket.SHUT_WR)
+        sink.join()
+        return TCP_BYTES / (time.perf_counter() - start)
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    """Distinct prompts (no prefix-cache hits between runs): ids from a seeded generator."""
+    g = torch.Generator().manual_seed(1000 * n + salt)
+    return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+
+async def kv_transfer_rate(prefill_addr: str, fingerprint, n: int, repeats: int) -> dict:
+    """Bytes/s of Prefill streams for n-token prompts, received and validated like decode."""
+    options = [("grpc.max_receive_message_length", kv_transfer.max_message_bytes())]
+    rates, sizes = [], []
+    async with grpc.aio.insecure_channel(prefill_addr, options=options) as channel:
+        stub = pb_grpc.PrefillStub(channel)
+        for r in range(repeats + 1):
+            ids = prompt(n, 100 + r)
+            rate, size = await _one_transfer(stub, fingerprint, ids)
+            if r:  # the first is warm-up
+                rates.append(rate)
+                sizes.append(size)
+    return {"bytes": sizes[0], "bytes_per_second_median": statistics.median(rates)}
+
+
+async def _one_transfer(stub, fingerprint, ids) -> tuple[float, int]:
+    fp = kv_transfer.fingerprint_from_proto(fingerprint)
+    reservation = kv_transfer.Reservation.for_model(fp, "bench", len(ids))
+    shape = (fp.num_layers, len(ids), fp.num_kv_heads, fp.head_dim)
+    dest_k, dest_v = (torch.empty(shape, dtype=kv_transfer.DTYPES[fp.kv_dtype]) for _ in "kv")
+    req = pb.PrefillRequest(request_id="bench", prompt_token_ids=ids, fingerprint=fingerprint,
+                            sampling=pb.SamplingParams(temperature=0))
+    start, payload = None, 0
+    async for event in stub.Prefill(req):
+        if event.HasField("kv_chunk"):
+            start = start or time.perf_counter()
+            w = kv_transfer.decode_chunk(kv_transfer.chunk_from_proto(event.kv_chunk),
+                                         reservation)
+            dest_k[w.layers, w.tokens, w.heads] = w.k
+            dest_v[w.layers, w.tokens, w.heads] = w.v
+            payload += len(event.kv_chunk.k) + len(event.kv_chunk.v)
+    return payload / (time.perf_counter() - start), payload
+
+
+async def ttft(call_fn, repeats: int, n: int, salt: int) -> float:
+    """Median seconds from sending to the first token event (first call is warm-up)."""
+    times = []
+    for r in range(repeats + 1):
+        start = time.perf_counter()
+        call = call_fn(prompt(n, salt + r))
+        await call.read()
+        if r:
+            times.append(time.perf_counter() - start)
+        call.cancel()
+    return statistics.median(times)
+
+
+def router_call(stub):
+    return lambda ids: stub.Generate(pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(temperature=0),
+        stop=pb.StopCriteria(max_tokens=2)))
+
+
+def decode_call(stub, candidates):
+    counter = iter(range(1 << 30))
+    return lambda ids: stub.Generate(pb.DecodeRequest(
+        request_id=f"direct-{next(counter)}", prompt_token_ids=ids,
+        sampling=pb.SamplingParams(temperature=0), stop=pb.StopCriteria(max_tokens=2),
+        prefill_candidates=candidates))
+
+
+async def measure_cluster(cluster: Cluster, repeats: int, with_prefill: bool) -> dict:
+    decode_addr = cluster.worker("decode", 0).grpc
+    out = {}
+    async with grpc.aio.insecure_channel(cluster.grpc_address) as rch, \
+            grpc.aio.insecure_channel(decode_addr) as dch:
+        router, decode = pb_grpc.RouterStub(rch), pb_grpc.DecodeStub(dch)
+        for n in PROMPT_LENGTHS:
+            out[f"ttft_router_{n}_seconds"] = await ttft(router_call(router), repeats, n, 1)
+        if with_prefill:
+            cands = [cluster.worker("prefill", 0).grpc]
+            for n in (128, 1024):
+                out[f"ttft_direct_{n}_seconds"] = await ttft(decode_call(decode, cands),
+                                                             repeats, n, 2)
+            load = await pb_grpc.PrefillStub(grpc.aio.insecure_channel(cands[0])).GetLoad(
+                pb.GetLoadRequest())
+            out["kv_transfer_1024"] = await kv_transfer_rate(cands[0], load.fingerprint, 1024,
+                                                             repeats)
+    return out
+
+
+def spec(args, prefill_workers: int) -> LaunchSpec:
+    return LaunchSpec(model=args.model, dtype=args.dtype, backend=args.backend,
+                      max_model_len=2048, prefill_workers=prefill_workers, decode_workers=1,
+                      threads=args.threads)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--backend", default="compiled", choices=("compiled", "eager"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="results/bench_serving.json")
+    args = p.parse_args(argv)
+    results = {"config": vars(args), "raw_tcp_bytes_per_second": raw_tcp_bytes_per_second()}
+    with Cluster(spec(args, 1)) as cluster:
+        results["disaggregated"] = asyncio.run(measure_cluster(cluster, args.repeats, True))
+    with Cluster(spec(args, 0)) as cluster:
+        results["aggregated"] = asyncio.run(measure_cluster(cluster, args.repeats, False))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    report(results)
+    return 0
+
+
+def report(r: dict) -> None:
+    d, a = r["disaggregated"], r["aggregated"]
+    tcp, kv = r["raw_tcp_bytes_per_second"], d["kv_transfer_1024"]["bytes_per_second_median"]
+    print(f"raw loopback TCP {tcp / 1e9:.2f} GB/s; KV transfer {kv / 1e9:.2f} GB/s "
+          f"({kv / tcp:.0%} of TCP), {d['kv_transfer_1024']['bytes'] / 1e6:.1f} MB per 1024 tokens")
+    for n in PROMPT_LENGTHS:
+        dis, agg = d[f"ttft_router_{n}_seconds"], a[f"ttft_router_{n}_seconds"]
+        print(f"TTFT {n:5d} tokens: disaggregated {dis * 1e3:8.1f} ms, local prefill "
+              f"{agg * 1e3:8.1f} ms, ratio {dis / agg:.3f}")
+    for n in (128, 1024):
+        via, direct = d[f"ttft_router_{n}_seconds"], d[f"ttft_direct_{n}_seconds"]
+        print(f"router adds {(via - direct) * 1e3:+.2f} ms at {n} tokens (median TTFT "
+              f"{via * 1e3:.1f} via router, {direct * 1e3:.1f} direct)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
