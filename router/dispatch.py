@@ -1,0 +1,189 @@
+"""Send one routed request to a decode worker and stream its tokens back.
+
+The decode workers are tried in the policy's order: RESOURCE_EXHAUSTED before the first token
+means "full, try the next one"; UNAVAILABLE before the first token marks the worker unhealthy and
+tries the next. When every worker refused, the request is shed with Overloaded (HTTP 429).
+Whatever ends the stream early (the client going away, a deadline, an error) cancels the
+downstream call: no decode call is ever left running for a caller that stopped listening."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from nxdi_common.serving.errors import Overloaded, ServingError, Unavailable
+from nxdi_common.serving.types import TokenOutput
+from router import convert
+from router.frontend import RoutedRequest
+from router.policies import DECODE, PREFILL, WorkerState
+
+log = logging.getLogger(__name__)
+HTTP_FOR_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 499,
+}
+
+
+class WorkerError(ServingError):
+    """A decode worker's failure, passed on with the worker's status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.http_status = HTTP_FOR_CODE.get(code, 500)
+
+
+def worker_error(exc: grpc.aio.AioRpcError, address: str) -> WorkerError:
+    return WorkerError(exc.code(), f"decode worker {address}: {exc.details()}")
+
+
+class _Tracker:
+    """Records one request's metrics: TTFT, inter-token gaps, end-to-end latency, token counts,
+    outcome; and the queue depth (requests waiting for their first token)."""
+
+    def __init__(self, metrics, prompt_tokens: int, started: float):
+        self.metrics, self.started, self.last = metrics, started, None
+        self.prompt_tokens, self.tokens = prompt_tokens, 0
+        metrics.queue_depth_requests.inc()
+
+    def token(self) -> None:
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.queue_depth_requests.dec()
+            self.metrics.time_to_first_token_seconds.observe(now - self.started)
+        else:
+            self.metrics.inter_token_latency_seconds.observe(now - self.last)
+        self.last, self.tokens = now, self.tokens + 1
+
+    def finish(self, outcome: str) -> None:
+        m = self.metrics
+        if self.last is None:
+            m.queue_depth_requests.dec()
+        m.requests_total.inc(outcome)
+        m.generated_tokens_total.inc(self.tokens)
+        if outcome == "ok":
+            m.prompt_tokens_total.inc(self.prompt_tokens)
+            m.e2e_request_latency_seconds.observe(time.monotonic() - self.started)
+
+
+class Dispatcher:
+    """Routes requests over the registry's workers with a policy, and records router metrics."""
+
+    def __init__(self, registry, policy, metrics, request_timeout_seconds: float = 600.0):
+        if request_timeout_seconds <= 0:
+            raise ValueError(f"request_timeout_seconds must be > 0, got {request_timeout_seconds}")
+        self.registry, self.policy, self.metrics = registry, policy, metrics
+        self.request_timeout_seconds = request_timeout_seconds
+
+    def plan(self, req: RoutedRequest) -> tuple[list[WorkerState], list[str]]:
+        """Decode workers to try, best first, and the prefill candidates' addresses."""
+        decodes = self.policy.rank_decode(req.prompt_ids, self.registry.workers(DECODE))
+        prefills = self.policy.rank_prefill(req.prompt_ids, self.registry.workers(PREFILL))
+        return decodes, [w.address for w in prefills]
+
+    def unhealthy_reason(self) -> str:
+        """Why no decode worker can take requests ("" when at least one is healthy)."""
+        workers = self.registry.workers(DECODE)
+        if not workers:
+            return "no decode workers are configured or discovered"
+        if any(w.healthy for w in workers):
+            return ""
+        return "no healthy decode worker: " + "; ".join(f"{w.address} ({w.reason})"
+                                                        for w in workers)
+
+    async def generate(self, req: RoutedRequest, timeout: float | None = None,
+                       started: float | None = None) -> AsyncIterator[TokenOutput]:
+        """Stream the request's tokens (the last carries finish_reason and usage). ``timeout``:
+        seconds the whole request may take (None: --request-timeout-seconds); ``started``:
+        time.monotonic() at arrival, for the latency metrics."""
+        tracker = _Tracker(self.metrics, len(req.prompt_ids), started or time.monotonic())
+        outcome, call = "error", None
+        try:
+            if timeout is None:
+                timeout = self.request_timeout_seconds
+            call, address, out = await self._open(req, timeout)
+            while out is not None:
+                tracker.token()
+                yield out
+                last, out = out, await _next_token(call, address)
+            if last.finish_reason is None:
+                raise WorkerError(grpc.StatusCode.INTERNAL, f"decode worker {address} ended the "
+                                                            f"stream without a finish reason")
+            outcome = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        except (Overloaded, Unavailable):
+            outcome = "rejected" if tracker.last is None else "error"
+            raise
+        finally:
+            if call is not None:
+                call.cancel()  # no-op once the call has finished
+            tracker.finish(outcome)
+
+    async def _open(self, req: RoutedRequest, timeout: float):
+        """Try the decode workers in order until one sends a first token; returns
+        (call, worker address, first token). Raises Overloaded when every worker was full."""
+        decodes, prefills = self.plan(req)
+        if not decodes:
+            raise Unavailable(self.unhealthy_reason() or "no decode worker can take requests")
+        deadline = time.monotonic() + timeout
+        refused: list[str] = []
+        for worker in decodes:
+            call = self._start(worker, req, prefills, deadline)
+            try:
+                first = await self._first_token(call, worker.address, refused)
+            except BaseException:
+                call.cancel()
+                raise
+            if first is not None:
+                return call, worker.address, first
+            call.cancel()
+        if refused:
+            raise Overloaded(f"every decode worker is full (refused by {', '.join(refused)})")
+        raise Unavailable(self.unhealthy_reason() or "every decode worker failed")
+
+    def _start(self, worker: WorkerState, req: RoutedRequest, prefills: list[str],
+               deadline: float):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request timed out before "
+                                                                 "a decode worker took it")
+        call = convert.start_generate(self.registry.channel(worker.address), req, prefills,
+                                      remaining)
+        self.registry.note_dispatch(worker.address, prefills[0] if prefills else None,
+                                    len(req.prompt_ids))
+        return call
+
+    async def _first_token(self, call, address: str, refused: list[str]) -> TokenOutput | None:
+        """The first token; None when this worker refused (try the next)."""
+        try:
+            event = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                log.info("decode worker %s is full: %s", address, exc.details())
+                self.registry.note_refused(address)
+                refused.append(address)
+                return None
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                log.warning("decode worker %s unavailable: %s", address, exc.details())
+                self.registry.mark_unhealthy(DECODE, address, f"UNAVAILABLE: {exc.details()}")
+                return None
+            raise worker_error(exc, address) from None
+        if event is grpc.aio.EOF:
+            raise WorkerError(grpc.StatusCode.INTERNAL,
+                              f"decode worker {address} ended the stream without a token")
+        return convert.token_output(event)
+
+
+async def _next_token(call, address: str) -> TokenOutput | None:
+    """The call's next token; None at the end of the stream."""
+    try:
+        event = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        raise worker_error(exc, address) from None
+    return None if event is grpc.aio.EOF else convert.token_output(event)

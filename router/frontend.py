@@ -1,0 +1,135 @@
+"""The served model as the router sees it: its name, tokenizer and limits, and the one validation
+path every entry point (HTTP and gRPC) goes through to turn a client's request into a
+:class:`RoutedRequest` (tokenized, checked, with max_tokens resolved).
+
+No protobuf here and no HTTP: the OpenAI gateway and the gRPC servicer each parse their own wire
+format into text / token ids / chat messages plus SamplingOptions and StopOptions, then call
+:meth:`ModelFrontend.prepare_*`, so both refuse exactly the same inputs with the same messages."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from nxdi_common.serving.errors import InvalidRequest
+from nxdi_common.serving.types import (ModelLimits, SamplingOptions, StopOptions, check_prompt,
+                                       resolve_max_tokens)
+
+log = logging.getLogger(__name__)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One chat message (role and text) before the chat template is applied."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """A validated, tokenized request ready to send to a decode worker.
+
+    ``stop.max_tokens`` is always set (resolved against the context length)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingOptions
+    stop: StopOptions
+
+
+def new_request_id() -> str:
+    """A fresh unique request id (uuid4, hex)."""
+    return uuid.uuid4().hex
+
+
+class ModelFrontend:
+    """Tokenizer plus limits of the one model this router serves."""
+
+    def __init__(self, name: str, tokenizer, limits: ModelLimits, created: int | None = None):
+        if not name:
+            raise ValueError("model name must be non-empty")
+        self.name = name
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.created = int(time.time()) if created is None else created
+
+    @classmethod
+    def from_options(cls, opts, name: str | None = None) -> ModelFrontend:
+        """Load the tokenizer of ``opts`` (a worker.ModelOptions); the vocabulary size comes from
+        the checkpoint's config.json (the embedding rows), else the tokenizer's length."""
+        from nxdi_common.serving.worker import load_tokenizer
+        model_dir = opts.model_dir()
+        tokenizer = load_tokenizer(opts)
+        vocab = _config_vocab_size(model_dir) or len(tokenizer)
+        limits = ModelLimits(max_model_len=opts.max_model_len, vocab_size=vocab)
+        return cls(name or model_dir.name, tokenizer, limits)
+
+    # --- checks --------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        """Empty or missing means this router's model; anything else must be its name."""
+        if model and model != self.name:
+            raise InvalidRequest("model", f"model {model!r} is not served here; "
+                                          f"available: [{self.name!r}]")
+
+    # --- tokenization --------------------------------------------------------------------
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a raw prompt (the tokenizer's own special tokens added, no template)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def encode_chat(self, turns: list[ChatTurn], field_name: str = "messages") -> list[int]:
+        """Apply the model's chat template (with the assistant generation prompt), tokenize."""
+        if not turns:
+            raise InvalidRequest(field_name, "must contain at least one message")
+        for i, turn in enumerate(turns):
+            if turn.role not in CHAT_ROLES:
+                raise InvalidRequest(f"{field_name}[{i}].role",
+                                     f"must be one of {list(CHAT_ROLES)}, got {turn.role!r}")
+        messages = [{"role": "system" if t.role == "developer" else t.role, "content": t.content}
+                    for t in turns]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template refusing the conversation
+            raise InvalidRequest(field_name, f"the chat template refused it: {exc}") from exc
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def token_text(self, token_id: int) -> str:
+        """The decoded text of one token (for logprob listings)."""
+        return self.tokenizer.decode([token_id])
+
+    # --- the one validation path ---------------------------------------------------------
+
+    def prepare(self, prompt_ids: list[int], sampling: SamplingOptions, stop: StopOptions,
+                prompt_field: str = "prompt", request_id: str = "") -> RoutedRequest:
+        """Validate everything and resolve max_tokens; raises InvalidRequest naming the field."""
+        sampling.validate()
+        stop.validate()
+        _check_stop_ids(stop, self.limits)
+        check_prompt(prompt_ids, self.limits, prompt_field)
+        max_tokens = resolve_max_tokens(len(prompt_ids), stop, self.limits)
+        return RoutedRequest(request_id or new_request_id(), tuple(prompt_ids), sampling,
+                             replace(stop, max_tokens=max_tokens))
+
+
+def _check_stop_ids(stop: StopOptions, limits: ModelLimits) -> None:
+    for t in stop.stop_token_ids:
+        if not isinstance(t, int) or not 0 <= t < limits.vocab_size:
+            raise InvalidRequest("stop_token_ids", f"token id {t!r} is outside "
+                                                   f"[0, {limits.vocab_size})")
+
+
+def _config_vocab_size(model_dir: Path) -> int | None:
+    path = Path(model_dir) / "config.json"
+    try:
+        value = json.loads(path.read_text()).get("vocab_size")
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read vocab_size from %s (%s); using the tokenizer's length", path, exc)
+        return None
+    return value if isinstance(value, int) and value > 0 else None

@@ -1,0 +1,226 @@
+"""The OpenAI-compatible HTTP gateway (FastAPI): ``POST /v1/completions``,
+``POST /v1/chat/completions`` (JSON or SSE streaming), ``GET /v1/models``, ``GET /health`` and
+``GET /metrics``.
+
+Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: malformed JSON and
+every validation failure give 400 naming the parameter; a full pool 429; no healthy decode worker
+503. When the client goes away, the request's decode call is cancelled (streaming: the event
+stream is closed; non-streaming: the request's work is cancelled)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from nxdi_common.serving.errors import InvalidRequest, ServingError
+from router import openai_format as fmt
+from router.dispatch import Dispatcher
+from router.frontend import ModelFrontend, RoutedRequest
+from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed,
+                                  completion_to_routed)
+
+log = logging.getLogger(__name__)
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+               429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    """An OpenAI-shaped error body."""
+    body = {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+            "param": param, "code": code}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+def serving_error_response(exc: ServingError) -> JSONResponse:
+    if isinstance(exc, InvalidRequest):
+        message = str(exc)
+        return error_response(exc.http_status, message, exc.field)
+    return error_response(exc.http_status, str(exc))
+
+
+def validation_error_response(exc: RequestValidationError) -> JSONResponse:
+    """Pydantic / JSON errors -> 400 naming the first offending parameter."""
+    first = exc.errors()[0]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"malformed JSON body: {first.get('msg')} "
+                                   f"(at character {loc[0] if loc else '?'})")
+    if not loc:
+        return error_response(400, f"the request body must be a JSON object: {first.get('msg')}")
+    param = _param_name(loc)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return error_response(400, f"{param}: {msg}", param)
+
+
+def _param_name(loc: list) -> str:
+    """("messages", 0, "content") -> "messages[0].content"."""
+    name = str(loc[0])
+    for part in loc[1:]:
+        name += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return name
+
+
+# --- client disconnects --------------------------------------------------------------------------
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, awaitable):
+    """Await ``awaitable`` unless the client disconnects first: then cancel it, raise ClientGone."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that always watches for the client leaving, and always closes its body
+    iterator (so the generator's cleanup, which cancels the decode call, runs right away)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, watch):
+                task.cancel()
+            await asyncio.gather(stream, watch, return_exceptions=True)
+            await self.body_iterator.aclose()
+        if stream.done() and not stream.cancelled():
+            exc = stream.exception()
+            if exc is not None and not isinstance(exc, OSError):
+                raise exc
+
+
+# --- generation ----------------------------------------------------------------------------------
+
+
+async def _collect(events) -> list:
+    async with contextlib.aclosing(events):
+        return [out async for out in events]
+
+
+async def _sse(first, events, formatter: fmt.Formatter):
+    """The SSE body: one chunk per token, the usage chunk if asked, then [DONE]. An error after
+    the stream started is sent as an error event."""
+    async with contextlib.aclosing(events):
+        try:
+            for chunk in formatter.start_chunks():
+                yield fmt.sse(chunk)
+            out = first
+            while out is not None:
+                yield fmt.sse(formatter.token_chunk(out))
+                out = await anext(events, None)
+            for chunk in formatter.end_chunks():
+                yield fmt.sse(chunk)
+        except ServingError as exc:
+            log.info("stream %s failed: %s", formatter.response_id, exc)
+            yield fmt.sse(json.loads(serving_error_response(exc).body))
+    yield fmt.SSE_DONE
+
+
+async def _respond(request: Request, dispatcher: Dispatcher, routed: RoutedRequest,
+                   formatter: fmt.Formatter, stream: bool, started: float) -> Response:
+    events = dispatcher.generate(routed, started=started)
+    if not stream:
+        outs = await until_disconnect(request, _collect(events))
+        return JSONResponse(formatter.response(outs))
+    try:
+        first = await until_disconnect(request, anext(events, None))
+    except BaseException:
+        await events.aclose()
+        raise
+    return EventStreamResponse(_sse(first, events, formatter), headers=SSE_HEADERS)
+
+
+# --- the app -------------------------------------------------------------------------------------
+
+
+def create_app(frontend: ModelFrontend, dispatcher: Dispatcher) -> FastAPI:
+    """The gateway for one model, routing through ``dispatcher``."""
+    app = FastAPI(title="nxdi router", docs_url=None, redoc_url=None)
+    metrics = dispatcher.metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        metrics.requests_total.inc("invalid")
+        return validation_error_response(exc)
+
+    @app.exception_handler(ServingError)
+    async def on_serving_error(request: Request, exc: ServingError):
+        if isinstance(exc, InvalidRequest):
+            metrics.requests_total.inc("invalid")
+        return serving_error_response(exc)
+
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)
+
+    _add_generation_routes(app, frontend, dispatcher)
+    _add_info_routes(app, frontend, dispatcher)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, frontend: ModelFrontend, dispatcher: Dispatcher):
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        started = time.monotonic()
+        routed = completion_to_routed(body, frontend)
+        formatter = fmt.CompletionFormatter(frontend, routed, body)
+        return await _respond(request, dispatcher, routed, formatter, bool(body.stream), started)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        started = time.monotonic()
+        routed = chat_to_routed(body, frontend)
+        formatter = fmt.ChatFormatter(frontend, routed, body)
+        return await _respond(request, dispatcher, routed, formatter, bool(body.stream), started)
+
+
+def _add_info_routes(app: FastAPI, frontend: ModelFrontend, dispatcher: Dispatcher):
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [fmt.model_card(frontend)]}
+
+    @app.get("/health")
+    async def health():
+        reason = dispatcher.unhealthy_reason()
+        if reason:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        registry = dispatcher.registry
+        return {"status": "ok", "decode_workers": len(registry.healthy("decode")),
+                "prefill_workers": len(registry.healthy("prefill"))}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(dispatcher.metrics.render(), media_type=CONTENT_TYPE_LATEST)

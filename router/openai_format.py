@@ -1,0 +1,174 @@
+"""OpenAI response shapes: completion and chat responses, their streaming chunks, logprobs,
+usage, finish reasons and the model card. Pure functions of the tokens a decode worker streamed."""
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+
+from nxdi_common.serving import types as t
+from nxdi_common.serving.types import TokenOutput
+from router.dispatch import WorkerError
+from router.frontend import ModelFrontend, RoutedRequest
+
+SSE_DONE = "data: [DONE]\n\n"
+FINISH_REASONS = {t.LENGTH: "length", t.EOS_TOKEN: "stop", t.STOP_TOKEN: "stop",
+                  t.STOP_STRING: "stop", None: None}
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """Our finish reason -> OpenAI's ("length" or "stop"); a cancelled or failed sequence is an
+    error (the worker gave up on it), not a finish."""
+    if reason in FINISH_REASONS:
+        return FINISH_REASONS[reason]
+    raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                      f"the decode worker ended the request with finish reason {reason!r}")
+
+
+def usage(routed: RoutedRequest, outs: list[TokenOutput]) -> dict:
+    """OpenAI usage from the last event's usage (or the counts seen)."""
+    last = outs[-1].usage if outs else None
+    prompt = last.prompt_tokens if last else len(routed.prompt_ids)
+    completion = last.completion_tokens if last else len(outs)
+    body = {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+    if last and last.cached_prompt_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": last.cached_prompt_tokens}
+    return body
+
+
+def model_card(frontend: ModelFrontend) -> dict:
+    return {"id": frontend.name, "object": "model", "created": frontend.created,
+            "owned_by": "nxdi", "max_model_len": frontend.limits.max_model_len}
+
+
+class Formatter:
+    """Shapes one request's output; subclasses define the endpoint's objects."""
+
+    prefix = ""
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, frontend: ModelFrontend, routed: RoutedRequest, body):
+        self.frontend, self.routed = frontend, routed
+        self.response_id = f"{self.prefix}-{routed.request_id}"
+        self.created = int(time.time())
+        self.logprobs = routed.sampling.logprobs
+        self.include_usage = body.include_usage
+        self._outs: list[TokenOutput] = []
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.response_id, "object": obj, "created": self.created,
+                "model": self.frontend.name, "choices": choices}
+
+    def _chunk(self, choices: list) -> dict:
+        body = self._envelope(self.chunk_object_name, choices)
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def start_chunks(self) -> list[dict]:
+        return []
+
+    def token_chunk(self, out: TokenOutput) -> dict:
+        self._outs.append(out)
+        return self._chunk([self._delta_choice(out)])
+
+    def end_chunks(self) -> list[dict]:
+        """The usage chunk (choices empty) when stream_options.include_usage was set."""
+        if not self.include_usage:
+            return []
+        body = self._envelope(self.chunk_object_name, [])
+        body["usage"] = usage(self.routed, self._outs)
+        return [body]
+
+    def response(self, outs: list[TokenOutput]) -> dict:
+        """The non-streaming response."""
+        body = self._envelope(self.object_name, [self._full_choice(outs)])
+        body["usage"] = usage(self.routed, outs)
+        return body
+
+    def _token_text(self, token_id: int, text: str = "") -> str:
+        return text or self.frontend.token_text(token_id)
+
+    def _delta_choice(self, out: TokenOutput) -> dict:
+        raise NotImplementedError
+
+    def _full_choice(self, outs: list[TokenOutput]) -> dict:
+        raise NotImplementedError
+
+
+class CompletionFormatter(Formatter):
+    """``/v1/completions``: objects "text_completion"; legacy logprobs lists."""
+
+    prefix, object_name, chunk_object_name = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, frontend, routed, body):
+        super().__init__(frontend, routed, body)
+        self._offset = 0
+
+    def _logprobs(self, outs: list[TokenOutput], offset: int) -> dict | None:
+        if not self.logprobs:
+            return None
+        offsets = []
+        for out in outs:
+            offsets.append(offset)
+            offset += len(out.text)
+        return {"tokens": [self._token_text(o.token_id) for o in outs],
+                "token_logprobs": [o.logprob for o in outs],
+                "top_logprobs": [{self._token_text(x.token_id, x.text): x.logprob
+                                  for x in o.top_logprobs} for o in outs],
+                "text_offset": offsets}
+
+    def _delta_choice(self, out: TokenOutput) -> dict:
+        choice = {"index": 0, "text": out.text, "logprobs": self._logprobs([out], self._offset),
+                  "finish_reason": finish_reason(out.finish_reason)}
+        self._offset += len(out.text)
+        return choice
+
+    def _full_choice(self, outs: list[TokenOutput]) -> dict:
+        return {"index": 0, "text": "".join(o.text for o in outs),
+                "logprobs": self._logprobs(outs, 0),
+                "finish_reason": finish_reason(outs[-1].finish_reason if outs else None)}
+
+
+class ChatFormatter(Formatter):
+    """``/v1/chat/completions``: "chat.completion" / "chat.completion.chunk"; the stream opens
+    with a {"role": "assistant", "content": ""} delta."""
+
+    prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", \
+        "chat.completion.chunk"
+
+    def _entry(self, token_id: int, logprob: float | None, text: str = "") -> dict:
+        token = self._token_text(token_id, text)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    def _logprobs(self, outs: list[TokenOutput]) -> dict | None:
+        if not self.logprobs:
+            return None
+        content = []
+        for o in outs:
+            entry = self._entry(o.token_id, o.logprob)
+            entry["top_logprobs"] = [self._entry(x.token_id, x.logprob, x.text)
+                                     for x in o.top_logprobs]
+            content.append(entry)
+        return {"content": content}
+
+    def start_chunks(self) -> list[dict]:
+        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])]
+
+    def _delta_choice(self, out: TokenOutput) -> dict:
+        return {"index": 0, "delta": {"content": out.text}, "logprobs": self._logprobs([out]),
+                "finish_reason": finish_reason(out.finish_reason)}
+
+    def _full_choice(self, outs: list[TokenOutput]) -> dict:
+        message = {"role": "assistant", "content": "".join(o.text for o in outs)}
+        return {"index": 0, "message": message, "logprobs": self._logprobs(outs),
+                "finish_reason": finish_reason(outs[-1].finish_reason if outs else None)}

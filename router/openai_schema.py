@@ -1,0 +1,206 @@
+"""OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) and their conversion to
+a :class:`~router.frontend.RoutedRequest`.
+
+Parsing is pydantic (strict types: ``"5"`` is not a number); every refusal becomes an
+``InvalidRequest`` naming the parameter as the client spelled it. Parameters OpenAI defines but
+this server does not implement (``n > 1``, ``best_of``, ``echo``, ``suffix``, tools, ...) are
+refused by name unless they carry their no-op default; unknown parameters are refused too, as
+OpenAI does."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from nxdi_common.serving.errors import InvalidRequest
+from nxdi_common.serving.types import SamplingOptions, StopOptions
+from router.frontend import ChatTurn, ModelFrontend, RoutedRequest
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions: logprobs is an integer in [0, 5]
+# Parameter -> the values it may carry here (null is always allowed): anything else is refused.
+NO_OP_VALUES: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (),
+    "prediction": (), "web_search_options": (), "reasoning_effort": (),
+}
+COMPLETIONS_EXTRAS = ("n", "best_of", "echo", "suffix", "logit_bias", "presence_penalty",
+                      "frequency_penalty")
+CHAT_EXTRAS = tuple(k for k in NO_OP_VALUES if k not in ("best_of", "echo", "suffix"))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _Common(_Strict):
+    """Parameters both endpoints take (top_k, stop_token_ids and ignore_eos are extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Any = None
+    stop_token_ids: list[int] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    user: str | None = None  # accepted and ignored
+    # Accepted and ignored (OpenAI bookkeeping that changes nothing here):
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value):
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError("must be a string or a list of strings")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: prompt is a string or a list of token ids (one prompt)."""
+
+    prompt: Any
+    logprobs: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value):
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]  # a batch of one
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(type(t) is int for t in value):
+            return value
+        raise ValueError("must be a string or a list of token ids (one prompt; batches of "
+                         "several prompts are not supported)")
+
+
+class ChatMessageIn(_Strict):
+    """One message; content is a string or a list of {"type": "text", "text": ...} parts."""
+
+    role: str
+    content: Any = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value):
+        if value is None or isinstance(value, str):
+            return value or ""
+        if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                           and isinstance(p.get("text"), str) for p in value):
+            return "".join(p["text"] for p in value)
+        raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts '
+                         "(only text is supported)")
+
+
+class ChatRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None  # accepted and ignored (tools are refused)
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+def check_extras(body: _Common, allowed_extras: tuple[str, ...]) -> None:
+    """Refuse unimplemented OpenAI parameters unless they hold their no-op value, and refuse
+    unknown parameters, naming the parameter."""
+    for name, value in (body.model_extra or {}).items():
+        if name not in allowed_extras:
+            raise InvalidRequest(name, f"unrecognized request argument {name!r}")
+        if value is None or _is_no_op(value, NO_OP_VALUES[name]):
+            continue
+        hint = f" (only {NO_OP_VALUES[name][0]!r})" if NO_OP_VALUES[name] else ""
+        raise InvalidRequest(name, f"is not supported by this server{hint}, got {value!r}")
+
+
+def _is_no_op(value, allowed: tuple) -> bool:
+    return any(type(value) is type(a) and value == a for a in allowed) or (
+        type(value) is float and any(type(a) is int and value == a for a in allowed))
+
+
+def _check_stream_options(body: _Common) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequest("stream_options", "is only allowed when stream is true")
+
+
+def _stop_options(body: _Common, max_tokens: int | None) -> StopOptions:
+    stop = body.stop
+    strings = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    return StopOptions(max_tokens=max_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
+                       stop_strings=strings, ignore_eos=bool(body.ignore_eos))
+
+
+def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> SamplingOptions:
+    return SamplingOptions(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_k=-1 if body.top_k is None else body.top_k,
+        top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, logprobs=logprobs,
+        top_logprobs=top_logprobs)
+
+
+# --- conversion --------------------------------------------------------------------------------
+
+
+def completion_to_routed(body: CompletionRequest, frontend: ModelFrontend,
+                         request_id: str = "") -> RoutedRequest:
+    """Validate a completions request and tokenize its prompt."""
+    check_extras(body, COMPLETIONS_EXTRAS)
+    frontend.check_model(body.model)
+    _check_stream_options(body)
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise InvalidRequest("logprobs", f"must be an integer in [0, {MAX_COMPLETION_LOGPROBS}],"
+                                         f" got {body.logprobs!r}")
+    sampling = _sampling(body, body.logprobs is not None, body.logprobs or 0)
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    stop = _stop_options(body, max_tokens)
+    sampling.validate()
+    stop.validate()
+    prompt = body.prompt
+    ids = frontend.encode_text(prompt) if isinstance(prompt, str) else prompt
+    return frontend.prepare(ids, sampling, stop, "prompt", request_id)
+
+
+def chat_to_routed(body: ChatRequest, frontend: ModelFrontend,
+                   request_id: str = "") -> RoutedRequest:
+    """Validate a chat request, apply the chat template and tokenize."""
+    check_extras(body, CHAT_EXTRAS)
+    frontend.check_model(body.model)
+    _check_stream_options(body)
+    sampling = _sampling(body, bool(body.logprobs), body.top_logprobs or 0)
+    field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    max_tokens = body.max_tokens if body.max_completion_tokens is None \
+        else body.max_completion_tokens
+    try:
+        stop = _stop_options(body, max_tokens)
+        sampling.validate()
+        stop.validate()
+        turns = [ChatTurn(m.role, m.content) for m in body.messages]
+        ids = frontend.encode_chat(turns, "messages")
+        return frontend.prepare(ids, sampling, stop, "messages", request_id)
+    except InvalidRequest as exc:
+        if exc.field == "max_tokens" and field != exc.field:
+            raise InvalidRequest(field, str(exc).split(": ", 1)[1]) from None
+        raise

@@ -1,0 +1,159 @@
+"""Routing policies: which decode worker and which prefill candidates, best first.
+
+Plain classes over :class:`WorkerState` snapshots, no I/O. Every policy ranks only healthy
+workers and returns the full ranking (the dispatcher tries decode workers in that order, and the
+decode worker tries prefill candidates in that order)::
+
+    rank_decode(prompt_ids, workers)  -> list[WorkerState]
+    rank_prefill(prompt_ids, workers) -> list[WorkerState]
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PREFILL, DECODE = "prefill", "decode"
+ROLES = (PREFILL, DECODE)
+AFFINITY_MAX_TOKENS = 256  # prefix-affinity key: at most this many leading prompt tokens,
+AFFINITY_BLOCK_TOKENS = 16  # rounded down to a multiple of this (KV block granularity)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load report (the WorkerLoad message, minus the protobuf)."""
+
+    queued_prompt_tokens: int = 0
+    queued_requests: int = 0
+    running_sequences: int = 0
+    max_running_sequences: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_block_size: int = 0
+    open_transfers: int = 0
+    reported_at_unix_ns: int = 0
+    role: str = ""  # PREFILL or DECODE, as the worker reported itself
+    fingerprint: object = field(default=None, compare=False)  # opaque; router.convert reads it
+
+
+@dataclass
+class WorkerState:
+    """What the router knows about one worker address."""
+
+    address: str
+    role: str
+    healthy: bool = False
+    load: WorkerLoad | None = None
+    reason: str = "not polled yet"  # why it is unhealthy (empty when healthy)
+
+    @property
+    def current_load(self) -> WorkerLoad:
+        return self.load if self.load is not None else WorkerLoad()
+
+
+def _healthy(workers: Sequence[WorkerState]) -> list[WorkerState]:
+    return sorted((w for w in workers if w.healthy), key=lambda w: w.address)
+
+
+def decode_load_key(w: WorkerState) -> tuple:
+    """Most free KV blocks first, then the fewest running plus queued sequences."""
+    load = w.current_load
+    return -load.kv_blocks_free, load.running_sequences + load.queued_requests, w.address
+
+
+def prefill_load_key(w: WorkerState) -> tuple:
+    """Fewest queued prompt tokens first, then the fewest KV transfers in progress."""
+    load = w.current_load
+    return load.queued_prompt_tokens, load.open_transfers, w.address
+
+
+class LeastLoaded:
+    """Rank by the load keys above."""
+
+    name = "least-loaded"
+
+    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+        return sorted(_healthy(workers), key=decode_load_key)
+
+    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+        return sorted(_healthy(workers), key=prefill_load_key)
+
+
+class RoundRobin:
+    """Rotate through the healthy workers (sorted by address), one step per request and role."""
+
+    name = "round-robin"
+
+    def __init__(self):
+        self._next = {PREFILL: 0, DECODE: 0}
+
+    def _rotate(self, role: str, workers: Sequence[WorkerState]) -> list[WorkerState]:
+        ranked = _healthy(workers)
+        if not ranked:
+            return []
+        start = self._next[role] % len(ranked)
+        self._next[role] += 1
+        return ranked[start:] + ranked[:start]
+
+    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+        return self._rotate(DECODE, workers)
+
+    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+        return self._rotate(PREFILL, workers)
+
+
+def affinity_key(prompt_ids: Sequence[int]) -> bytes:
+    """Digest of the first block-aligned tokens (min(len, 256) rounded down to a multiple of
+    16); b"" when the prompt is shorter than one block (no prefix worth keeping together)."""
+    n = min(len(prompt_ids), AFFINITY_MAX_TOKENS) // AFFINITY_BLOCK_TOKENS * AFFINITY_BLOCK_TOKENS
+    if n == 0:
+        return b""
+    data = struct.pack(f"<{n}I", *prompt_ids[:n])
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def rendezvous_order(key: bytes, workers: Sequence[WorkerState]) -> list[WorkerState]:
+    """Highest-random-weight order: each worker's score is a hash of (key, address), so adding
+    or removing a worker only moves the keys that scored highest on it."""
+    def score(w: WorkerState) -> bytes:
+        return hashlib.blake2b(key + w.address.encode(), digest_size=8).digest()
+    return sorted(workers, key=score, reverse=True)
+
+
+class PrefixAffinity:
+    """Requests sharing a prefix go to the same workers (so their prefix caches hit).
+
+    The rendezvous winner over all known workers is taken first when it is healthy and (for
+    decode) has free KV blocks; the rest follow least-loaded. When the winner is unhealthy or
+    saturated, or the prompt is shorter than one block, the ranking is plain least-loaded."""
+
+    name = "prefix-affinity"
+
+    def _rank(self, prompt_ids, workers, load_key, saturated) -> list[WorkerState]:
+        ranked = sorted(_healthy(workers), key=load_key)
+        key = affinity_key(prompt_ids)
+        if not key or not workers:
+            return ranked
+        winner = rendezvous_order(key, workers)[0]
+        if not winner.healthy or saturated(winner):
+            return ranked
+        return [winner] + [w for w in ranked if w is not winner]
+
+    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+        return self._rank(prompt_ids, workers, decode_load_key,
+                          lambda w: w.current_load.kv_blocks_free == 0)
+
+    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+        return self._rank(prompt_ids, workers, prefill_load_key, lambda w: False)
+
+
+POLICIES = {p.name: p for p in (LeastLoaded, RoundRobin, PrefixAffinity)}
+
+
+def make_policy(name: str):
+    """A fresh policy instance by its command-line name."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}") from None

@@ -1,0 +1,218 @@
+"""The router process: the OpenAI HTTP gateway (uvicorn) and the gRPC Router service in one
+asyncio loop, sharing one worker registry, dispatcher and metrics.
+
+Programmatic use (inside a running loop)::
+
+    frontend = ModelFrontend.from_options(ModelOptions(model=DIR, max_model_len=512))
+    router = await RunningRouter.start(frontend, RouterSettings(decode=("127.0.0.1:50051",)))
+    ... router.http_address, router.grpc_address ...
+    await router.stop()
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass
+
+import uvicorn
+
+from nxdi_common.serving.grpc_server import GrpcServer, install_shutdown, print_ready
+from nxdi_common.serving.metrics import ServingMetrics
+from nxdi_common.serving.worker import add_model_args, model_options_from_args
+from router import convert
+from router.dispatch import Dispatcher
+from router.frontend import ModelFrontend
+from router.grpc_service import RouterServicer
+from router.openai_api import create_app
+from router.policies import DECODE, POLICIES, PREFILL, make_policy
+from router.registry import Registry, join_host_port
+
+log = logging.getLogger(__name__)
+MAX_MESSAGE_BYTES = 8 << 20  # requests and token events are small; 8 MiB bounds a long prompt
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Where the router listens, which workers it routes to, and how."""
+
+    host: str = "127.0.0.1"
+    http_port: int = 0
+    grpc_port: int = 0
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    prefill_dns: tuple[str, ...] = ()
+    decode_dns: tuple[str, ...] = ()
+    policy: str = "least-loaded"
+    refresh_seconds: float = 1.0
+    request_timeout_seconds: float = 600.0
+    shutdown_grace_seconds: float = 10.0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        for name in ("refresh_seconds", "request_timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.shutdown_grace_seconds < 0:
+            raise ValueError(f"shutdown_grace_seconds must be >= 0, "
+                             f"got {self.shutdown_grace_seconds}")
+
+    @property
+    def poll_timeout_seconds(self) -> float:
+        """GetLoad / health timeout per worker: short, so one dead worker never stalls a round."""
+        return max(0.2, min(1.0, self.refresh_seconds))
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling (the process installs one graceful stop)."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for the HTTP server (so port 0 gives one known port)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind the HTTP server to {join_host_port(host, port)}: {exc}") \
+            from exc
+    return sock
+
+
+class RunningRouter:
+    """A started router; ``http_address`` / ``grpc_address`` are "host:port"."""
+
+    def __init__(self, registry: Registry, grpc_server: GrpcServer, http: _EmbeddedUvicorn,
+                 http_task: asyncio.Task, settings: RouterSettings, http_port: int):
+        self.registry, self.grpc_server, self.http = registry, grpc_server, http
+        self._http_task, self.settings = http_task, settings
+        self.http_address = join_host_port(settings.host, http_port)
+        self.grpc_address = join_host_port(settings.host, grpc_server.port)
+        self._stopped = False
+
+    @classmethod
+    async def start(cls, frontend: ModelFrontend, settings: RouterSettings,
+                    metrics: ServingMetrics | None = None) -> RunningRouter:
+        """Poll the workers once, then start the gRPC and HTTP servers."""
+        registry = Registry({PREFILL: settings.prefill, DECODE: settings.decode},
+                            {PREFILL: settings.prefill_dns, DECODE: settings.decode_dns},
+                            settings.poll_timeout_seconds)
+        await registry.refresh()
+        registry.start(settings.refresh_seconds)
+        dispatcher = Dispatcher(registry, make_policy(settings.policy),
+                                metrics or ServingMetrics("router"),
+                                settings.request_timeout_seconds)
+        grpc_server = GrpcServer([(convert.add_router_servicer,
+                                   RouterServicer(frontend, dispatcher), convert.ROUTER_SERVICE)],
+                                 MAX_MESSAGE_BYTES)
+        try:
+            await grpc_server.start(settings.host, settings.grpc_port)
+            http, task, port = await _start_http(create_app(frontend, dispatcher), settings)
+        except BaseException:
+            await grpc_server.stop(0)
+            await registry.close()
+            raise
+        return cls(registry, grpc_server, http, task, settings, port)
+
+    async def stop(self, grace_seconds: float | None = None) -> None:
+        """Refuse new requests, let in-flight ones finish for up to the grace period, then cancel
+        what is left and close the worker channels. Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.settings.shutdown_grace_seconds if grace_seconds is None else grace_seconds
+        self.http.config.timeout_graceful_shutdown = grace
+        self.http.should_exit = True
+        await asyncio.gather(self.grpc_server.stop(grace), self._http_task,
+                             return_exceptions=True)
+        await self.registry.close()
+
+    async def wait_http_stopped(self) -> None:
+        """Return when the HTTP server has stopped (by stop() or on its own)."""
+        await asyncio.shield(self._http_task)
+
+
+async def _start_http(app, settings: RouterSettings):
+    """Start uvicorn on a socket bound here; returns (server, serve task, bound port)."""
+    sock = _bind(settings.host, settings.http_port)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                            timeout_graceful_shutdown=settings.shutdown_grace_seconds)
+    server = _EmbeddedUvicorn(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            sock.close()
+            raise RuntimeError(f"the HTTP server failed to start: {task.exception()!r}")
+        await asyncio.sleep(0.01)
+    return server, task, port
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m router", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1", help="address both servers listen on")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any)")
+    p.add_argument("--grpc-port", type=int, default=50050, help="gRPC Router port (0: any)")
+    add_model_args(p)
+    p.add_argument("--model-name", help="model id clients use (default: the model dir name)")
+    g = p.add_argument_group("workers")
+    g.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                   help="a prefill worker (repeatable)")
+    g.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
+                   help="a decode worker (repeatable)")
+    g.add_argument("--prefill-dns", action="append", default=[], metavar="HOST:PORT",
+                   help="a DNS name whose every address is a prefill worker (repeatable)")
+    g.add_argument("--decode-dns", action="append", default=[], metavar="HOST:PORT",
+                   help="a DNS name whose every address is a decode worker (repeatable)")
+    g.add_argument("--policy", choices=sorted(POLICIES), default="least-loaded")
+    g.add_argument("--refresh-seconds", type=float, default=1.0,
+                   help="how often worker load is polled and DNS names re-resolved")
+    g.add_argument("--request-timeout-seconds", type=float, default=600.0,
+                   help="deadline of a request without a gRPC deadline of its own")
+    g.add_argument("--shutdown-grace-seconds", type=float, default=10.0,
+                   help="how long in-flight requests may finish after SIGTERM")
+    return p
+
+
+def settings_from_args(args) -> RouterSettings:
+    return RouterSettings(args.host, args.http_port, args.grpc_port, tuple(args.prefill),
+                          tuple(args.decode), tuple(args.prefill_dns), tuple(args.decode_dns),
+                          args.policy, args.refresh_seconds, args.request_timeout_seconds,
+                          args.shutdown_grace_seconds)
+
+
+async def serve(args) -> None:
+    """Load the tokenizer, start, print NXDI_READY, run until SIGTERM / SIGINT."""
+    settings = settings_from_args(args)
+    opts = model_options_from_args(args)
+    frontend = await asyncio.to_thread(ModelFrontend.from_options, opts, args.model_name)
+    router = await RunningRouter.start(frontend, settings)
+    stopped = install_shutdown(asyncio.get_running_loop(), router.stop)
+    print_ready("router", grpc=router.grpc_address, http=router.http_address)
+    waiters = [asyncio.ensure_future(stopped.wait()),
+               asyncio.ensure_future(router.wait_http_stopped())]
+    _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await router.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"router: {exc}") from None

@@ -1,0 +1,501 @@
+"""Router pieces without a running router: routing policies (exact rankings), the worker registry
+(DNS resolution, static addresses, polling a server that is not a worker, optimistic load
+updates), OpenAI request -> internal request conversion with every validation error, and the
+OpenAI response shapes."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from pydantic import ValidationError
+
+from nxdi_common.serving.errors import InvalidRequest, Unavailable
+from nxdi_common.serving.metrics import ServingMetrics
+from nxdi_common.serving.types import SamplingOptions, StopOptions, TokenLogprob, TokenOutput, Usage
+from nxdi_common.serving.worker import ModelOptions
+from router.dispatch import Dispatcher, WorkerError
+from router.frontend import ModelFrontend, RoutedRequest
+from router.openai_format import ChatFormatter, CompletionFormatter, finish_reason
+from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed,
+                                  completion_to_routed)
+from router.policies import (DECODE, PREFILL, LeastLoaded, PrefixAffinity, RoundRobin,
+                             WorkerLoad, WorkerState, affinity_key, make_policy,
+                             rendezvous_order)
+from router.registry import Registry, resolve, split_host_port
+
+MAX_MODEL_LEN = 64
+
+
+def decode_worker(address, free, running=0, queued=0, healthy=True):
+    load = WorkerLoad(kv_blocks_free=free, running_sequences=running, queued_requests=queued,
+                      kv_block_size=16, role=DECODE)
+    return WorkerState(address, DECODE, healthy, load, "" if healthy else "down")
+
+
+def prefill_worker(address, queued_tokens, transfers=0, healthy=True):
+    load = WorkerLoad(queued_prompt_tokens=queued_tokens, open_transfers=transfers, role=PREFILL)
+    return WorkerState(address, PREFILL, healthy, load, "" if healthy else "down")
+
+
+def addresses(workers):
+    return [w.address for w in workers]
+
+
+# --- policies -----------------------------------------------------------------------------------
+
+
+def test_least_loaded_decode_ranks_by_free_blocks_then_running_then_address():
+    workers = [decode_worker("d1:1", 10, running=3), decode_worker("d2:1", 30),
+               decode_worker("d3:1", 10, running=1, queued=1), decode_worker("d4:1", 10, 1, 1),
+               decode_worker("d5:1", 99, healthy=False)]
+    assert addresses(LeastLoaded().rank_decode([1, 2], workers)) == ["d2:1", "d3:1", "d4:1",
+                                                                     "d1:1"]
+
+
+def test_least_loaded_prefill_ranks_by_queued_tokens_then_open_transfers():
+    workers = [prefill_worker("p1:1", 500), prefill_worker("p2:1", 100, transfers=2),
+               prefill_worker("p3:1", 100, transfers=1), prefill_worker("p4:1", 0, healthy=False)]
+    assert addresses(LeastLoaded().rank_prefill([1], workers)) == ["p3:1", "p2:1", "p1:1"]
+
+
+def test_round_robin_rotates_per_role_over_healthy_workers():
+    policy = RoundRobin()
+    decodes = [decode_worker(a, 1) for a in ("c:1", "a:1", "b:1")] + \
+        [decode_worker("z:1", 1, healthy=False)]
+    prefills = [prefill_worker("p:1", 0), prefill_worker("q:1", 0)]
+    assert [addresses(policy.rank_decode([1], decodes)) for _ in range(4)] == [
+        ["a:1", "b:1", "c:1"], ["b:1", "c:1", "a:1"], ["c:1", "a:1", "b:1"],
+        ["a:1", "b:1", "c:1"]]
+    assert addresses(policy.rank_prefill([1], prefills)) == ["p:1", "q:1"]
+    assert addresses(policy.rank_prefill([1], prefills)) == ["q:1", "p:1"]
+    assert policy.rank_decode([1], [decode_worker("x:1", 1, healthy=False)]) == []
+
+
+def test_affinity_key_covers_the_first_block_aligned_tokens():
+    ids = list(range(1000, 1300))
+    assert affinity_key(ids[:15]) == b""
+    assert affinity_key(ids[:16]) == affinity_key(ids[:31]) != affinity_key(ids[:32])
+    assert affinity_key(ids[:256]) == affinity_key(ids) != affinity_key(ids[:255])
+    assert len(affinity_key(ids)) == 16
+
+
+def test_prefix_affinity_sends_a_shared_prefix_to_the_same_workers():
+    policy = PrefixAffinity()
+    decodes = [decode_worker(f"10.0.0.{i}:9000", 50) for i in range(4)]
+    prefills = [prefill_worker(f"10.0.1.{i}:9000", 0) for i in range(3)]
+    prefix = list(range(500, 756))  # the 256 tokens the key covers
+    first = policy.rank_decode(prefix + [1, 2, 3], decodes)
+    second = policy.rank_decode(prefix + [7] * 40, decodes)
+    assert first[0] is second[0]
+    assert first[0] is rendezvous_order(affinity_key(prefix), decodes)[0]
+    assert addresses(first[1:]) == sorted(a for a in addresses(decodes)
+                                          if a != first[0].address)
+    p1, p2 = policy.rank_prefill(prefix + [1], prefills), policy.rank_prefill(prefix, prefills)
+    assert p1[0] is p2[0] is rendezvous_order(affinity_key(prefix), prefills)[0]
+
+
+def test_prefix_affinity_spreads_different_prefixes_over_all_workers():
+    policy = PrefixAffinity()
+    decodes = [decode_worker(f"10.0.0.{i}:9000", 50) for i in range(4)]
+    winners = {policy.rank_decode([k] * 16, decodes)[0].address for k in range(64)}
+    assert winners == set(addresses(decodes))
+
+
+def test_rendezvous_winner_survives_removing_another_worker():
+    workers = [decode_worker(f"10.0.0.{i}:9000", 50) for i in range(5)]
+    for k in range(20):
+        key = affinity_key([k] * 16)
+        order = rendezvous_order(key, workers)
+        rest = [w for w in workers if w is not order[-1]]
+        assert rendezvous_order(key, rest)[0] is order[0]
+
+
+def test_prefix_affinity_falls_back_to_least_loaded():
+    policy = PrefixAffinity()
+    prompt = list(range(32))
+    decodes = [decode_worker("a:1", 5), decode_worker("b:1", 9), decode_worker("c:1", 7)]
+    winner = rendezvous_order(affinity_key(prompt), decodes)[0]
+    least_loaded = addresses(LeastLoaded().rank_decode(prompt, decodes))
+
+    winner.load = WorkerLoad(kv_blocks_free=0, kv_block_size=16)  # saturated
+    assert addresses(policy.rank_decode(prompt, decodes)) == \
+        addresses(LeastLoaded().rank_decode(prompt, decodes))
+    winner.load, winner.healthy = WorkerLoad(kv_blocks_free=100), False  # unhealthy
+    assert addresses(policy.rank_decode(prompt, decodes)) == \
+        [a for a in least_loaded if a != winner.address]
+    winner.healthy = True
+    assert addresses(policy.rank_decode(prompt[:15], decodes)) == \
+        addresses(LeastLoaded().rank_decode(prompt, decodes))  # shorter than a block
+
+
+def test_make_policy_names_the_choices():
+    assert isinstance(make_policy("prefix-affinity"), PrefixAffinity)
+    with pytest.raises(ValueError, match="policy must be one of .*'round-robin'.*got 'fastest'"):
+        make_policy("fastest")
+
+
+# --- registry -----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_split_host_port():
+    assert split_host_port("10.1.2.3:50051") == ("10.1.2.3", 50051)
+    assert split_host_port("[::1]:80") == ("::1", 80)
+    assert split_host_port("decode.ns.svc.cluster.local:9000") == \
+        ("decode.ns.svc.cluster.local", 9000)
+    for bad in ("nohost", ":80", "host:0", "host:x", "host:70000"):
+        with pytest.raises(ValueError, match=f"--decode must be host:port .* got '{bad}'"):
+            split_host_port(bad, "--decode")
+
+
+def test_registry_refuses_a_bad_address_naming_the_flag():
+    with pytest.raises(ValueError, match="--decode address must be host:port"):
+        Registry({DECODE: ["localhost"]})
+    with pytest.raises(ValueError, match="--prefill-dns name must be host:port"):
+        Registry(dns={PREFILL: ["svc:port"]})
+
+
+def test_resolve_localhost_gives_every_address():
+    port = free_port()
+    expected = set()
+    for *_, sockaddr in socket.getaddrinfo("localhost", port, type=socket.SOCK_STREAM):
+        host = sockaddr[0]
+        expected.add(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    got = asyncio.run(resolve(f"localhost:{port}"))
+    assert got == sorted(expected)
+    assert f"127.0.0.1:{port}" in got
+
+
+def test_registry_polls_static_and_dns_workers_and_marks_dead_ones_unhealthy():
+    dead_a, dead_b = free_port(), free_port()
+
+    async def run():
+        registry = Registry({DECODE: [f"127.0.0.1:{dead_a}"]},
+                            {PREFILL: [f"localhost:{dead_b}"]}, poll_timeout_seconds=0.5)
+        try:
+            await registry.refresh()
+            return ([(w.address, w.healthy, w.reason.split(":")[0])
+                     for w in registry.workers(DECODE)],
+                    addresses(registry.workers(PREFILL)), registry.healthy(PREFILL),
+                    registry.refreshes)
+        finally:
+            await registry.close()
+
+    decode, prefill, healthy_prefill, refreshes = asyncio.run(run())
+    assert decode == [(f"127.0.0.1:{dead_a}", False, "UNAVAILABLE")]
+    assert prefill == asyncio.run(resolve(f"localhost:{dead_b}"))
+    assert healthy_prefill == []
+    assert refreshes == 1
+
+
+def test_registry_drops_addresses_that_disappear_from_dns():
+    answers = [["10.0.0.1:9000", "10.0.0.2:9000"], ["10.0.0.2:9000", "10.0.0.3:9000"]]
+
+    async def resolver(name):
+        assert name == "svc:9000"
+        return answers.pop(0)
+
+    async def run():
+        registry = Registry(dns={DECODE: ["svc:9000"]}, poll_timeout_seconds=0.2,
+                            resolver=resolver)
+        seen = []
+        for _ in range(2):
+            await registry.refresh()
+            seen.append((addresses(registry.workers(DECODE)), registry.channel_addresses()))
+        await registry.close()
+        return seen
+
+    assert asyncio.run(run()) == [
+        (["10.0.0.1:9000", "10.0.0.2:9000"], ["10.0.0.1:9000", "10.0.0.2:9000"]),
+        (["10.0.0.2:9000", "10.0.0.3:9000"], ["10.0.0.2:9000", "10.0.0.3:9000"])]
+
+
+def test_registry_keeps_the_last_good_resolution_when_dns_fails():
+    calls = []
+
+    async def resolver(name):
+        calls.append(name)
+        if len(calls) > 1:
+            raise socket.gaierror("temporary failure in name resolution")
+        return ["10.0.0.7:9000"]
+
+    async def run():
+        registry = Registry(dns={PREFILL: ["svc:9000"]}, resolver=resolver)
+        first = await registry.addresses(PREFILL)
+        second = await registry.addresses(PREFILL)
+        await registry.close()
+        return first, second
+
+    assert asyncio.run(run()) == (["10.0.0.7:9000"], ["10.0.0.7:9000"])
+
+
+def test_a_server_without_the_decode_service_is_not_a_healthy_decode_worker():
+    from nxdi_common.serving.grpc_server import GrpcServer
+
+    async def run():
+        server = GrpcServer([], 1 << 20)  # health and reflection only
+        port = await server.start("127.0.0.1", 0)
+        registry = Registry({DECODE: [f"127.0.0.1:{port}"]}, poll_timeout_seconds=2.0)
+        try:
+            await registry.refresh()
+            return registry.workers(DECODE)[0]
+        finally:
+            await registry.close()
+            await server.stop(0)
+
+    w = asyncio.run(run())
+    assert (w.healthy, w.reason.split(":")[0]) == (False, "UNIMPLEMENTED")
+
+
+def test_optimistic_load_updates_spread_a_burst():
+    async def run():
+        registry = Registry({DECODE: ["d1:1", "d2:1"], PREFILL: ["p1:1"]})
+        d1, d2 = registry.workers(DECODE)
+        (p1,) = registry.workers(PREFILL)
+        d1.healthy = d2.healthy = p1.healthy = True
+        d1.load = WorkerLoad(kv_blocks_free=10, kv_blocks_used=2, kv_block_size=16)
+        d2.load = WorkerLoad(kv_blocks_free=9, kv_block_size=16)
+        p1.load = WorkerLoad(queued_prompt_tokens=5)
+        registry.note_dispatch("d1:1", "p1:1", 40)  # ceil(41 / 16) = 3 blocks
+        ranked = addresses(LeastLoaded().rank_decode([1], registry.workers(DECODE)))
+        registry.note_refused("d2:1")
+        return d1.load, d2.load, p1.load, ranked
+
+    d1, d2, p1, ranked = asyncio.run(run())
+    assert (d1.kv_blocks_free, d1.kv_blocks_used, d1.running_sequences) == (7, 5, 1)
+    assert ranked == ["d2:1", "d1:1"]
+    assert d2.kv_blocks_free == 0
+    assert (p1.queued_prompt_tokens, p1.queued_requests) == (45, 1)
+
+
+# --- dispatch without workers -------------------------------------------------------------------
+
+
+def test_dispatch_with_no_healthy_decode_worker_is_unavailable_and_counted_rejected():
+    metrics = ServingMetrics("router")
+    req = RoutedRequest("r1", (1, 2, 3), SamplingOptions(), StopOptions(max_tokens=4))
+
+    async def run(registry):
+        dispatcher = Dispatcher(registry, LeastLoaded(), metrics)
+        try:
+            with pytest.raises(Unavailable) as info:
+                async for _ in dispatcher.generate(req):
+                    pass
+            return str(info.value)
+        finally:
+            await registry.close()
+
+    assert asyncio.run(run(Registry())) == "no decode workers are configured or discovered"
+    message = asyncio.run(run(Registry({DECODE: ["127.0.0.1:9"]})))
+    assert message == "no healthy decode worker: 127.0.0.1:9 (not polled yet)"
+    assert metrics.value("nxdi_requests_total", outcome="rejected") == 2
+    assert metrics.value("nxdi_queue_depth_requests") == 0
+
+
+# --- OpenAI requests -> internal ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def frontend(tiny_chat_model):
+    return ModelFrontend.from_options(ModelOptions(model=str(tiny_chat_model),
+                                                   max_model_len=MAX_MODEL_LEN))
+
+
+def test_frontend_limits_come_from_the_checkpoint(frontend, tiny_chat_model):
+    assert frontend.name == tiny_chat_model.name
+    assert (frontend.limits.max_model_len, frontend.limits.vocab_size) == (MAX_MODEL_LEN, 49152)
+
+
+def test_completion_request_converts_exactly(frontend):
+    body = CompletionRequest.model_validate({
+        "model": frontend.name, "prompt": "Hello world", "max_tokens": 5, "temperature": 0.5,
+        "top_p": 0.9, "top_k": 40, "seed": 7, "stop": "\n", "logprobs": 2, "ignore_eos": True,
+        "user": "u1", "n": 1, "echo": False, "stop_token_ids": [2]})
+    routed = completion_to_routed(body, frontend, request_id="abc")
+    assert routed == RoutedRequest(
+        "abc", tuple(frontend.tokenizer.encode("Hello world")),
+        SamplingOptions(temperature=0.5, top_k=40, top_p=0.9, seed=7, logprobs=True,
+                        top_logprobs=2),
+        StopOptions(max_tokens=5, stop_token_ids=(2,), stop_strings=("\n",), ignore_eos=True))
+
+
+def test_completion_defaults_and_token_id_prompts(frontend):
+    routed = completion_to_routed(CompletionRequest.model_validate({"prompt": [[5, 6, 7]]}),
+                                  frontend)
+    assert routed.prompt_ids == (5, 6, 7)
+    assert routed.sampling == SamplingOptions()
+    assert routed.stop == StopOptions(max_tokens=16)
+    assert len(routed.request_id) == 32
+
+
+def test_chat_request_applies_the_template(frontend):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                             {"type": "text", "text": "there"}]}]
+    body = ChatRequest.model_validate({"messages": messages, "max_completion_tokens": 3,
+                                       "logprobs": True, "top_logprobs": 4,
+                                       "stop": ["a", "b"]})
+    routed = chat_to_routed(body, frontend)
+    text = frontend.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+        tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert routed.prompt_ids == tuple(frontend.tokenizer.encode(text, add_special_tokens=False))
+    assert routed.sampling == SamplingOptions(logprobs=True, top_logprobs=4)
+    assert routed.stop == StopOptions(max_tokens=3, stop_strings=("a", "b"))
+    unlimited = chat_to_routed(ChatRequest.model_validate({"messages": messages}), frontend)
+    assert unlimited.stop.max_tokens == MAX_MODEL_LEN - len(routed.prompt_ids)
+
+
+COMPLETION_ERRORS = [
+    ({"prompt": ""}, "prompt", "must not be empty"),
+    ({"prompt": []}, "prompt", "must not be empty"),
+    ({"prompt": "word " * 80}, "prompt", "the maximum context is 64 tokens"),
+    ({"prompt": [49152]}, "prompt", "token id 49152 is outside [0, 49152)"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "must be an integer >= 1, got 0"),
+    ({"prompt": "hi", "max_tokens": 64}, "max_tokens", "use at most 63"),
+    ({"prompt": "hi", "temperature": -0.1}, "temperature", "must be a finite number >= 0"),
+    ({"prompt": "hi", "top_p": 0}, "top_p", "must be in (0, 1], got 0"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p", "must be in (0, 1], got 1.5"),
+    ({"prompt": "hi", "top_k": -2}, "top_k", "must be an integer >= -1"),
+    ({"prompt": "hi", "seed": -1}, "seed", "must be in [0, 2**64)"),
+    ({"prompt": "hi", "logprobs": 6}, "logprobs", "must be an integer in [0, 5], got 6"),
+    ({"prompt": "hi", "stop": [""]}, "stop", "stop strings must be 1..256 characters"),
+    ({"prompt": "hi", "stop_token_ids": [49152]}, "stop_token_ids", "outside [0, 49152)"),
+    ({"prompt": "hi", "model": "gpt-4"}, "model", "model 'gpt-4' is not served here"),
+    ({"prompt": "hi", "n": 2}, "n", "is not supported by this server (only 1), got 2"),
+    ({"prompt": "hi", "best_of": 3}, "best_of", "is not supported"),
+    ({"prompt": "hi", "echo": True}, "echo", "is not supported"),
+    ({"prompt": "hi", "suffix": "end"}, "suffix", "is not supported"),
+    ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias", "is not supported"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "is not supported"),
+    ({"prompt": "hi", "frequency_penalty": 1}, "frequency_penalty", "is not supported"),
+    ({"prompt": "hi", "tools": []}, "tools", "unrecognized request argument 'tools'"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
+     "is only allowed when stream is true"),
+]
+
+
+@pytest.mark.parametrize("body,field,message", COMPLETION_ERRORS)
+def test_completion_validation_errors_name_the_field(frontend, body, field, message):
+    with pytest.raises(InvalidRequest) as info:
+        completion_to_routed(CompletionRequest.model_validate(body), frontend)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+    assert message in str(info.value)
+
+
+CHAT_ERRORS = [
+    ({"messages": []}, "messages", "must contain at least one message"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "got 'robot'"),
+    ({"messages": [{"role": "user", "content": "word " * 80}]}, "messages",
+     "the maximum context is 64 tokens"),
+    ({"max_tokens": 0}, "max_tokens", "must be an integer >= 1"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "must be an integer >= 1"),
+    ({"max_completion_tokens": 1000}, "max_completion_tokens", "exceeds the maximum context"),
+    ({"top_logprobs": 2}, "top_logprobs", "requires logprobs to be true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20]"),
+    ({"tools": [{"type": "function"}]}, "tools", "is not supported"),
+    ({"tool_choice": "auto"}, "tool_choice", "is not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "is not supported"),
+    ({"n": 3}, "n", "is not supported"),
+    ({"echo": True}, "echo", "unrecognized request argument 'echo'"),
+]
+
+
+@pytest.mark.parametrize("extra,field,message", CHAT_ERRORS)
+def test_chat_validation_errors_name_the_field(frontend, extra, field, message):
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    with pytest.raises(InvalidRequest) as info:
+        chat_to_routed(ChatRequest.model_validate(body), frontend)
+    assert info.value.field == field
+    assert message in str(info.value)
+
+
+def test_no_op_values_of_unsupported_parameters_are_accepted(frontend):
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 1, "tools": [],
+            "tool_choice": "none", "presence_penalty": 0.0, "response_format": {"type": "text"},
+            "logit_bias": None, "user": "x", "parallel_tool_calls": False}
+    assert chat_to_routed(ChatRequest.model_validate(body), frontend).stop.max_tokens > 0
+
+
+@pytest.mark.parametrize("body,loc", [
+    ({"prompt": "hi", "temperature": "1"}, ("temperature",)),
+    ({"prompt": "hi", "max_tokens": 1.5}, ("max_tokens",)),
+    ({"prompt": "hi", "stream": "yes"}, ("stream",)),
+    ({"prompt": [1, True]}, ("prompt",)),
+    ({"prompt": ["a", "b"]}, ("prompt",)),
+    ({"prompt": "hi", "stop": 5}, ("stop",)),
+    ({}, ("prompt",)),
+])
+def test_completion_type_errors_are_located_at_the_field(body, loc):
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate(body)
+    assert info.value.errors()[0]["loc"] == loc
+
+
+def test_chat_content_type_error_is_located_at_the_message():
+    with pytest.raises(ValidationError) as info:
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": "a"},
+                                                 {"role": "user", "content": [{"type": "image"}]}]})
+    assert info.value.errors()[0]["loc"] == ("messages", 1, "content")
+
+
+# --- OpenAI response shapes ---------------------------------------------------------------------
+
+
+def outputs():
+    return [TokenOutput("r", 72, 0, "Hi", logprob=-0.25, top_logprobs=(TokenLogprob(72, -0.25,
+                                                                                     "Hi"),)),
+            TokenOutput("r", 2, 1, "", logprob=-1.5, finish_reason="eos_token",
+                        usage=Usage(prompt_tokens=3, completion_tokens=2))]
+
+
+def test_completion_response_shape(frontend):
+    routed = RoutedRequest("r", (1, 2, 3), SamplingOptions(logprobs=True, top_logprobs=1),
+                           StopOptions(max_tokens=5))
+    body = CompletionRequest.model_validate({"prompt": "x"})
+    f = CompletionFormatter(frontend, routed, body)
+    assert f.response_id == "cmpl-r"
+    eos = frontend.token_text(2)
+    assert f.response(outputs()) == {
+        "id": f.response_id, "object": "text_completion", "created": f.created,
+        "model": frontend.name,
+        "choices": [{"index": 0, "text": "Hi", "finish_reason": "stop", "logprobs": {
+            "tokens": [frontend.token_text(72), eos], "token_logprobs": [-0.25, -1.5],
+            "top_logprobs": [{"Hi": -0.25}, {}], "text_offset": [0, 2]}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+
+
+def test_chat_stream_chunks_shape(frontend):
+    routed = RoutedRequest("r", (1, 2, 3), SamplingOptions(), StopOptions(max_tokens=5))
+    body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                       "stream": True,
+                                       "stream_options": {"include_usage": True}})
+    f = ChatFormatter(frontend, routed, body)
+    head = {"id": f.response_id, "object": "chat.completion.chunk", "created": f.created,
+            "model": frontend.name}
+    chunks = f.start_chunks() + [f.token_chunk(o) for o in outputs()] + f.end_chunks()
+
+    def choice(delta, finish=None):
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                     "finish_reason": finish}], "usage": None}
+    assert chunks == [choice({"role": "assistant", "content": ""}), choice({"content": "Hi"}),
+                      choice({"content": ""}, "stop"),
+                      {**head, "choices": [], "usage": {"prompt_tokens": 3,
+                                                        "completion_tokens": 2,
+                                                        "total_tokens": 5}}]
+
+
+def test_finish_reason_mapping():
+    assert [finish_reason(r) for r in ("length", "eos_token", "stop_token", "stop_string",
+                                       None)] == ["length", "stop", "stop", "stop", None]
+    with pytest.raises(WorkerError, match="finish reason 'cancelled'") as info:
+        finish_reason("cancelled")
+    assert info.value.http_status == 503

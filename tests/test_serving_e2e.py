@@ -1,0 +1,173 @@
+"""End to end on real processes and loopback sockets: router + prefill + decode workers started
+by the launcher, the bundled SmolLM2 in fp32 for truth against transformers, the tiny chat model for
+load. No mocks: every request crosses the HTTP gateway or the gRPC Router, the decode worker pulls
+KV from a prefill worker over a gRPC stream."""
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from nxdi_common.serving.launcher import Cluster, LaunchSpec
+from protos.nxdi.serving.v1 import serving_pb2 as pb
+from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
+
+TEXT = ("The history of astronomy spans thousands of years. Early civilizations watched the sky to "
+        "keep calendars, plan harvests and navigate the seas. Babylonian scribes recorded the "
+        "positions of planets on clay tablets, Greek philosophers proposed geometric models of "
+        "the heavens, and Islamic scholars refined those models and preserved ancient texts. ")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bundled_model_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(bundled_model_path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(bundled_model_path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=torch.float32).eval()
+
+
+def reference(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def prompt_of(tokenizer, n, offset=0):
+    ids = tokenizer((TEXT * 40)[offset:]).input_ids
+    return ids[:n]
+
+
+async def router_generate(address, ids, max_tokens, **sampling):
+    async with grpc.aio.insecure_channel(address) as channel:
+        req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
+                                 sampling=pb.SamplingParams(temperature=0.0, **sampling),
+                                 stop=pb.StopCriteria(max_tokens=max_tokens, ignore_eos=True))
+        return [e async for e in pb_grpc.RouterStub(channel).Generate(req)]
+
+
+@pytest.fixture(scope="module")
+def fp32_cluster(bundled_model_path):
+    spec = LaunchSpec(dtype="float32", backend="eager", max_model_len=1024, prefill_workers=2,
+                      decode_workers=2, threads=1, decode_args=["--kv-blocks", "1100"])
+    with Cluster(spec) as cluster:
+        yield cluster
+
+
+def test_grpc_router_greedy_matches_transformers_2p2d_16_concurrent(fp32_cluster, tokenizer,
+                                                                      hf_model):
+    lengths = [32 + (900 - 32) * i // 15 for i in range(16)]
+    prompts = [prompt_of(tokenizer, n, offset=7 * i) for i, n in enumerate(lengths)]
+    assert [len(p) for p in prompts] == lengths
+
+    async def all_at_once():
+        return await asyncio.gather(*(router_generate(fp32_cluster.grpc_address, p, 6)
+                                      for p in prompts))
+
+    results = asyncio.run(all_at_once())
+    for ids, events in zip(prompts, results):
+        assert [e.token_id for e in events] == reference(hf_model, ids, 6)
+        assert events[-1].usage.prompt_tokens == len(ids)
+
+
+def test_http_greedy_matches_transformers(fp32_cluster, tokenizer, hf_model):
+    import httpx
+    for prompt in ("The capital of France is", "def fibonacci(n):"):
+        ids = tokenizer(prompt).input_ids
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 12,
+                "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{fp32_cluster.http_url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == tokenizer.decode(reference(hf_model, ids, 12),
+                                                  skip_special_tokens=True)
+        assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12,
+                                     "total_tokens": len(ids) + 12}
+
+
+def test_streaming_is_incremental(fp32_cluster, tokenizer):
+    """The first token reaches the client while the decode worker is still generating."""
+    async def scenario():
+        async with grpc.aio.insecure_channel(fp32_cluster.grpc_address) as channel:
+            req = pb.GenerateRequest(prompt="Tell me a long story.",
+                                     sampling=pb.SamplingParams(temperature=0),
+                                     stop=pb.StopCriteria(max_tokens=200, ignore_eos=True))
+            call = pb_grpc.RouterStub(channel).Generate(req)
+            first = await call.read()
+            loads = [await decode_load(w.grpc) for w in fp32_cluster.workers
+                     if w.role == "decode"]
+            rest = []
+            while (event := await call.read()) != grpc.aio.EOF:
+                rest.append(event)
+            return first, loads, rest
+
+    first, loads, rest = asyncio.run(scenario())
+    assert first.index == 0 and first.finish_reason == pb.FINISH_REASON_UNSPECIFIED
+    assert sum(load.running_sequences for load in loads) == 1  # still computing the rest
+    assert len(rest) == 199 and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+async def decode_load(address):
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.DecodeStub(channel).GetLoad(pb.GetLoadRequest())
+
+
+async def prefill_load(address):
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.PrefillStub(channel).GetLoad(pb.GetLoadRequest())
+
+
+def test_openai_client_completions_and_chat(fp32_cluster):
+    from openai import OpenAI
+    client = OpenAI(base_url=f"{fp32_cluster.http_url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    done = client.completions.create(model=model, prompt="Paris is", max_tokens=5, temperature=0)
+    streamed = client.completions.create(model=model, prompt="Paris is", max_tokens=5,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+    assert done.usage.completion_tokens == 5 or done.choices[0].finish_reason == "stop"
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                          temperature=0)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                                 temperature=0, stream=True))
+    streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chat.choices[0].message.role == "assistant"
+    assert streamed_text == chat.choices[0].message.content and "Paris" in streamed_text
+
+
+def test_reflection_lists_every_service(fp32_cluster):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
+        ProtoReflectionDescriptorDatabase
+    expected = {"router": "nxdi.serving.v1.Router", "prefill": "nxdi.serving.v1.Prefill",
+                "decode": "nxdi.serving.v1.Decode"}
+    targets = [("router", fp32_cluster.grpc_address)] + \
+        [(w.role, w.grpc) for w in fp32_cluster.workers]
+    for role, address in targets:
+        with grpc.insecure_channel(address) as channel:
+            services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        assert {expected[role], "grpc.health.v1.Health",
+                "grpc.reflection.v1alpha.ServerReflection"} <= services, (role, services)
+
+
+def test_fingerprint_mismatch_is_failed_precondition(fp32_cluster, spawn, bundled_model_path):
+    other = spawn("prefill_service", "--model", bundled_model_path, "--dtype", "bfloat16",
+                  "--backend", "eager", "--threads", "1", "--max-model-len", "1024")
+    decode = fp32_cluster.worker("decode", 0).grpc
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(decode) as channel:
+            req = pb.DecodeRequest(request_id="fp", prompt_token_ids=[1, 2, 3, 4],
+                                   prefill_candidates=[other.grpc],
+                                   stop=pb.StopCriteria(max_tokens=2))
+            return [e async for e in pb_grpc.DecodeStub(channel).Generate(req)]
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(scenario())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dtype" in err.value.details()
+    assert asyncio.run(decode_load(decode)).kv_blocks_used == 0
