@@ -33,6 +33,7 @@ from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
 
 PROMPT_LENGTHS = (128, 512, 1024)
 TCP_BYTES, TCP_WRITE = 1 << 30, 4 << 20
+CHUNK_MIB = (1, 4, 16)  # KV chunk payload bounds tried; 4 MiB is the default
 
 
 def _tcp_sink(port_queue) -> None:
@@ -65,28 +66,31 @@ def prompt(n: int, salt: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=g).tolist()
 
 
-async def kv_transfer_rate(prefill_addr: str, fingerprint, n: int, repeats: int) -> dict:
+async def kv_transfer_rate(prefill_addr: str, fingerprint, n: int, repeats: int,
+                           chunk_bytes: int) -> dict:
     """Bytes/s of Prefill streams for n-token prompts, received and validated like decode."""
-    options = [("grpc.max_receive_message_length", kv_transfer.max_message_bytes())]
+    options = [("grpc.max_receive_message_length", kv_transfer.max_message_bytes(chunk_bytes))]
     rates, sizes = [], []
     async with grpc.aio.insecure_channel(prefill_addr, options=options) as channel:
         stub = pb_grpc.PrefillStub(channel)
         for r in range(repeats + 1):
             ids = prompt(n, 100 + r)
-            rate, size = await _one_transfer(stub, fingerprint, ids)
+            rate, size = await _one_transfer(stub, fingerprint, ids, chunk_bytes)
             if r:  # the first is warm-up
                 rates.append(rate)
                 sizes.append(size)
-    return {"bytes": sizes[0], "bytes_per_second_median": statistics.median(rates)}
+    return {"bytes": sizes[0], "chunk_bytes": chunk_bytes,
+            "bytes_per_second_median": statistics.median(rates)}
 
 
-async def _one_transfer(stub, fingerprint, ids) -> tuple[float, int]:
+async def _one_transfer(stub, fingerprint, ids, chunk_bytes) -> tuple[float, int]:
     fp = kv_transfer.fingerprint_from_proto(fingerprint)
     reservation = kv_transfer.Reservation.for_model(fp, "bench", len(ids))
     shape = (fp.num_layers, len(ids), fp.num_kv_heads, fp.head_dim)
     dest_k, dest_v = (torch.empty(shape, dtype=kv_transfer.DTYPES[fp.kv_dtype]) for _ in "kv")
     req = pb.PrefillRequest(request_id="bench", prompt_token_ids=ids, fingerprint=fingerprint,
-                            sampling=pb.SamplingParams(temperature=0))
+                            sampling=pb.SamplingParams(temperature=0),
+                            max_chunk_bytes=chunk_bytes)
     start, payload = None, 0
     async for event in stub.Prefill(req):
         if event.HasField("kv_chunk"):
@@ -110,6 +114,24 @@ async def ttft(call_fn, repeats: int, n: int, salt: int) -> float:
             times.append(time.perf_counter() - start)
         call.cancel()
     return statistics.median(times)
+
+
+async def router_overhead(via_router, direct, pairs: int = 40, n: int = 16) -> dict:
+    """Median TTFT of short prompts sent through the router and straight to the decode worker,
+    alternating (so drift hits both alike)."""
+    times = {"router": [], "direct": []}
+    for r in range(pairs + 2):
+        for name, fn in (("direct", direct), ("router", via_router)):
+            start = time.perf_counter()
+            call = fn(prompt(n, 5000 + 2 * r + (name == "router")))
+            await call.read()
+            if r >= 2:
+                times[name].append(time.perf_counter() - start)
+            call.cancel()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"prompt_tokens": n, "pairs": pairs, "router_median_seconds": med["router"],
+            "direct_median_seconds": med["direct"],
+            "added_median_seconds": med["router"] - med["direct"]}
 
 
 def router_call(stub):
@@ -139,17 +161,23 @@ async def measure_cluster(cluster: Cluster, repeats: int, with_prefill: bool) ->
             for n in (128, 1024):
                 out[f"ttft_direct_{n}_seconds"] = await ttft(decode_call(decode, cands),
                                                              repeats, n, 2)
+            out["router_overhead"] = await router_overhead(router_call(router),
+                                                           decode_call(decode, cands))
             load = await pb_grpc.PrefillStub(grpc.aio.insecure_channel(cands[0])).GetLoad(
                 pb.GetLoadRequest())
-            out["kv_transfer_1024"] = await kv_transfer_rate(cands[0], load.fingerprint, 1024,
-                                                             repeats)
+            out["kv_transfer_1024"] = [
+                await kv_transfer_rate(cands[0], load.fingerprint, 1024, repeats, mib << 20)
+                for mib in CHUNK_MIB]
     return out
 
 
 def spec(args, prefill_workers: int) -> LaunchSpec:
+    """As the quick start runs it: prefill pinned to CPU 0, decode to CPU 1 (2-core machine)."""
+    cpus = {"decode0": [1], **({"prefill0": [0]} if prefill_workers else {})}
     return LaunchSpec(model=args.model, dtype=args.dtype, backend=args.backend,
                       max_model_len=2048, prefill_workers=prefill_workers, decode_workers=1,
-                      threads=args.threads)
+                      threads=args.threads, cpus=cpus,
+                      prefill_args=["--max-chunk-bytes", str(max(CHUNK_MIB) << 20)])
 
 
 def main(argv=None) -> int:
@@ -174,13 +202,20 @@ def main(argv=None) -> int:
 
 def report(r: dict) -> None:
     d, a = r["disaggregated"], r["aggregated"]
-    tcp, kv = r["raw_tcp_bytes_per_second"], d["kv_transfer_1024"]["bytes_per_second_median"]
-    print(f"raw loopback TCP {tcp / 1e9:.2f} GB/s; KV transfer {kv / 1e9:.2f} GB/s "
-          f"({kv / tcp:.0%} of TCP), {d['kv_transfer_1024']['bytes'] / 1e6:.1f} MB per 1024 tokens")
+    tcp = r["raw_tcp_bytes_per_second"]
+    print(f"raw loopback TCP {tcp / 1e9:.2f} GB/s")
+    for x in d["kv_transfer_1024"]:
+        kv = x["bytes_per_second_median"]
+        print(f"KV transfer, {x['chunk_bytes'] >> 20:2d} MiB chunks: {kv / 1e9:.2f} GB/s "
+              f"({kv / tcp:.0%} of TCP), {x['bytes'] / 1e6:.1f} MB per 1024-token prompt")
     for n in PROMPT_LENGTHS:
         dis, agg = d[f"ttft_router_{n}_seconds"], a[f"ttft_router_{n}_seconds"]
         print(f"TTFT {n:5d} tokens: disaggregated {dis * 1e3:8.1f} ms, local prefill "
               f"{agg * 1e3:8.1f} ms, ratio {dis / agg:.3f}")
+    o = d["router_overhead"]
+    print(f"router adds {o['added_median_seconds'] * 1e3:+.2f} ms to the median TTFT of "
+          f"{o['prompt_tokens']}-token prompts ({o['router_median_seconds'] * 1e3:.2f} ms via "
+          f"router, {o['direct_median_seconds'] * 1e3:.2f} ms direct, {o['pairs']} pairs)")
     for n in (128, 1024):
         via, direct = d[f"ttft_router_{n}_seconds"], d[f"ttft_direct_{n}_seconds"]
         print(f"router adds {(via - direct) * 1e3:+.2f} ms at {n} tokens (median TTFT "

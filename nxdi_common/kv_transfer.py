@@ -30,6 +30,7 @@ import dataclasses
 import math
 import struct
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -196,9 +197,12 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def _bytes_tensor(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A new (writable, owning) tensor of ``shape`` read from raw little-endian ``data``."""
+    """A read-only tensor view of ``shape`` over raw little-endian ``data`` (no copy: the caller
+    copies it into its cache; writing to the view is undefined)."""
     _require_little_endian()
-    return torch.frombuffer(bytearray(data), dtype=DTYPES[dtype]).reshape(shape)
+    with warnings.catch_warnings():  # torch warns that bytes are not writable: we never write
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=DTYPES[dtype]).reshape(shape)
 
 
 def _lp_utf8(s: str) -> bytes:
@@ -409,13 +413,19 @@ def _enum_name(enum, prefix: str, value: int, field: str) -> str:
     return name.removeprefix(prefix).lower()
 
 
-def chunk_to_proto(chunk: KVChunkData) -> serving_pb2.KVChunk:
-    """The protobuf message for ``chunk``."""
-    return serving_pb2.KVChunk(
-        request_id=chunk.request_id, layer_start=chunk.layer_start, layer_end=chunk.layer_end,
-        token_start=chunk.token_start, token_end=chunk.token_end, head_start=chunk.head_start,
-        head_end=chunk.head_end, dtype=serving_pb2.DType.Value("DTYPE_" + chunk.dtype.upper()),
-        k_scale=chunk.k_scale, v_scale=chunk.v_scale, k=chunk.k, v=chunk.v, crc32c=chunk.crc32c)
+def chunk_to_proto(chunk: KVChunkData,
+                   out: serving_pb2.KVChunk | None = None) -> serving_pb2.KVChunk:
+    """The protobuf message for ``chunk``; filled into ``out`` when given (e.g. the kv_chunk field
+    of a PrefillEvent, which saves copying the payload twice)."""
+    msg = serving_pb2.KVChunk() if out is None else out
+    msg.request_id, msg.layer_start, msg.layer_end = (chunk.request_id, chunk.layer_start,
+                                                      chunk.layer_end)
+    msg.token_start, msg.token_end = chunk.token_start, chunk.token_end
+    msg.head_start, msg.head_end = chunk.head_start, chunk.head_end
+    msg.dtype = serving_pb2.DType.Value("DTYPE_" + chunk.dtype.upper())
+    msg.k_scale, msg.v_scale, msg.crc32c = chunk.k_scale, chunk.v_scale, chunk.crc32c
+    msg.k, msg.v = chunk.k, chunk.v
+    return msg
 
 
 def chunk_from_proto(msg: serving_pb2.KVChunk) -> KVChunkData:

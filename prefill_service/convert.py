@@ -45,7 +45,9 @@ def first_token_event(first: FirstTokenResult) -> serving_pb2.PrefillEvent:
 
 def chunk_event(chunk: KVChunkData) -> serving_pb2.PrefillEvent:
     """One kv_chunk event."""
-    return serving_pb2.PrefillEvent(kv_chunk=kv_transfer.chunk_to_proto(chunk))
+    event = serving_pb2.PrefillEvent()
+    kv_transfer.chunk_to_proto(chunk, out=event.kv_chunk)  # payload copied once, in place
+    return event
 
 
 def done_event(num_chunks: int, payload_bytes: int, transfer_ns: int) -> serving_pb2.PrefillEvent:
