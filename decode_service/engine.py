@@ -20,7 +20,8 @@ import torch
 from nxdi_common.block_manager import BlockManager
 from nxdi_common.serving.errors import Overloaded
 from decode_service.scheduler import DecodeScheduler
-from decode_service.sequence import Sequence, seeded_generator, token_logprobs
+from decode_service.sequence import Sequence
+from nxdi_common.serving.sampling import request_generator, token_logprobs
 from nxdi_common.serving.detokenize import OutputText
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class DecodeEngine:
             self._live.add(rid)
         return Sequence(job, max_tokens, alloc.block_table, alloc.num_cached_tokens,
                         OutputText(self.tokenizer, job.stop.stop_strings), self.eos_ids, emit,
-                        seeded_generator(job.sampling.seed))
+                        request_generator(job.sampling.seed))
 
     def write_kv(self, seq: Sequence, write) -> None:
         """Store a validated chunk (kv_transfer.ChunkWrite) in the sequence's blocks."""
@@ -178,10 +179,7 @@ class DecodeEngine:
     def _finish_step(self, seqs: list[Sequence], out) -> None:
         for i, seq in enumerate(seqs):
             token = int(out.tokens[i])
-            logprob, top = None, ()
-            if seq.job.sampling.logprobs and out.logits is not None:
-                logprob, top = token_logprobs(out.logits[i], token, seq.job.sampling,
-                                              self.tokenizer)
+            logprob, top = token_logprobs(out.logits[i], token, seq.job.sampling, self.tokenizer)
             seq.add_token(token, logprob, top)
             if seq.finished:
                 self.scheduler.remove(seq)

@@ -21,9 +21,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m decode_service",
                                 description="Decode worker: token generation with continuous "
                                             "batching over a block KV cache.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port")
+    worker.add_server_args(p)
     worker.add_model_args(p)
     p.add_argument("--max-batch-size", type=int, default=8, help="largest running batch")
     p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks")
@@ -33,7 +31,6 @@ def parse_args(argv=None):
                    help="prompts up to this length are prefilled here, not pulled")
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES)
     p.add_argument("--kv-pull-timeout-seconds", type=float, default=600.0)
-    p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 

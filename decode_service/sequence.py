@@ -13,6 +13,7 @@ import torch
 
 from nxdi_common.serving import types as t
 from nxdi_common.serving.detokenize import OutputText
+from nxdi_common.serving.sampling import next_uniform
 
 
 @dataclass
@@ -24,7 +25,7 @@ class Sequence:
     text: OutputText
     eos_ids: frozenset[int]
     emit: Callable[[t.TokenOutput | Exception], None]
-    rng: torch.Generator | None = None
+    rng: torch.Generator  # the request's random stream (nxdi_common.serving.sampling)
     slot: int = -1  # seq_id in the running batch
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -49,8 +50,7 @@ class Sequence:
 
     def draw_uniform(self) -> float:
         """This sequence's next sampling uniform (seeded requests replay exactly)."""
-        return float(torch.rand(1, generator=self.rng)) if self.rng is not None else \
-            float(torch.rand(1))
+        return next_uniform(self.rng)
 
     def add_token(self, token_id: int, logprob=None, top_logprobs=()) -> None:
         """Record a generated token, apply the stop rules, and emit its event."""
@@ -85,22 +85,3 @@ class Sequence:
         if reason is None:
             return None
         return t.Usage(self.prompt_len, len(self.generated), self.num_cached_tokens)
-
-
-def seeded_generator(seed: int | None) -> torch.Generator | None:
-    if seed is None:
-        return None
-    return torch.Generator().manual_seed(seed)
-
-
-def token_logprobs(logits: torch.Tensor, token_id: int, sampling: t.SamplingOptions, tokenizer):
-    """(logprob of token_id, top alternatives) under the temperature-scaled distribution;
-    logits [vocab] float32."""
-    temperature = 1.0 if sampling.greedy else sampling.temperature
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    top = ()
-    if sampling.top_logprobs:
-        values, ids = torch.topk(logp, sampling.top_logprobs)
-        top = tuple(t.TokenLogprob(int(i), float(v), tokenizer.decode([int(i)]))
-                    for v, i in zip(values, ids))
-    return float(logp[token_id]), top

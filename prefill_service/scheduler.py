@@ -22,7 +22,8 @@ import torch
 
 from nxdi_common import bucketing
 from nxdi_common.serving.errors import Overloaded, Unavailable
-from nxdi_common.serving.types import PrefillJob, SamplingOptions, TokenLogprob
+from nxdi_common.serving.sampling import next_uniform, request_generator, token_logprobs
+from nxdi_common.serving.types import PrefillJob, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +126,7 @@ class PrefillScheduler:
 # Torch work (worker thread only)
 # ---------------------------------------------------------------------------------------------
 
-def request_uniform(seed: int | None, rng: torch.Generator) -> float:
-    """The sampler's uniform for a request's first token: the first draw of a generator seeded
-    with ``seed`` (the decode worker skips that one draw and goes on), or a draw from ``rng``."""
-    if seed is None:
-        return float(torch.rand(1, generator=rng))
-    return float(torch.rand(1, generator=torch.Generator().manual_seed(seed)))
-
-
-def batch_inputs(jobs: list[PrefillJob], rng: torch.Generator):
+def batch_inputs(jobs: list[PrefillJob]):
     """Right-padded model inputs for a CTE batch: ids [B, S], mask [B, S], positions [B, S],
     sampling_params [B, 3], rand [B]."""
     b, s = len(jobs), max(len(j.prompt_ids) for j in jobs)
@@ -144,23 +137,9 @@ def batch_inputs(jobs: list[PrefillJob], rng: torch.Generator):
         mask[i, :len(job.prompt_ids)] = 1
     positions = torch.arange(s).expand(b, s)  # starts at 0: forces context encoding
     params = torch.tensor([j.sampling.as_row() for j in jobs], dtype=torch.float32)
-    rand = torch.tensor([request_uniform(j.sampling.seed, rng) for j in jobs], dtype=torch.float32)
+    rand = torch.tensor([next_uniform(request_generator(j.sampling.seed)) for j in jobs],
+                        dtype=torch.float32)  # draw 0 of each request's stream
     return ids, mask, positions, params, rand
-
-
-def token_logprobs(logits: torch.Tensor, token_id: int,
-                   sampling: SamplingOptions) -> tuple[float | None, tuple[TokenLogprob, ...]]:
-    """logprob of ``token_id`` and the top alternatives under the temperature-scaled distribution
-    (plain log_softmax when greedy). ``logits``: [vocab] float32."""
-    if not sampling.logprobs:
-        return None, ()
-    scaled = logits.float() if sampling.greedy else logits.float() / sampling.temperature
-    lp = torch.log_softmax(scaled, dim=-1)  # [vocab]
-    top = ()
-    if sampling.top_logprobs:
-        values, ids = torch.topk(lp, min(sampling.top_logprobs, lp.shape[0]))
-        top = tuple(TokenLogprob(int(i), float(x)) for i, x in zip(ids, values))
-    return float(lp[token_id]), top
 
 
 def copy_kv(cache: torch.Tensor, row: int, tokens: tuple[int, int],
@@ -174,11 +153,11 @@ def copy_kv(cache: torch.Tensor, row: int, tokens: tuple[int, int],
     return k, v
 
 
-def run_batch(model, batch: list[PrefillTask], rng: torch.Generator) -> list[PrefillOutput]:
+def run_batch(model, batch: list[PrefillTask]) -> list[PrefillOutput]:
     """Encode ``batch`` in cache rows 0..B-1, sample first tokens and copy each request's KV out
     (after which the rows are free again)."""
     jobs = [t.job for t in batch]
-    ids, mask, positions, params, rand = batch_inputs(jobs, rng)
+    ids, mask, positions, params, rand = batch_inputs(jobs)
     rows = torch.arange(len(batch), dtype=torch.int32)  # [B] cache rows as seq_ids
     start = time.perf_counter_ns()
     out = model.forward(ids, seq_ids=rows, attention_mask=mask, position_ids=positions,
@@ -230,8 +209,6 @@ class PrefillEngine:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._rng = torch.Generator()
-        self._rng.seed()
 
     def start(self) -> None:
         """Start the worker thread (idempotent)."""
@@ -299,7 +276,7 @@ class PrefillEngine:
     def _run(self, batch: list[PrefillTask]) -> None:
         """Run one batch and deliver its results (nothing of it stays referenced here)."""
         try:
-            results = run_batch(self.model, batch, self._rng)
+            results = run_batch(self.model, batch)
             for task, result in zip(batch, results):
                 deliver(task, result)
         except Exception as exc:  # noqa: BLE001 - reported to every request of the batch

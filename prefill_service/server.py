@@ -259,9 +259,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m prefill_service",
                                 description="Prefill worker: context encoding, first token, and "
                                             "the prompt's KV cache streamed to a decode worker.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port")
+    worker.add_server_args(p)
     worker.add_model_args(p)
     p.add_argument("--max-batch-size", type=int, default=4, help="KV cache rows")
     p.add_argument("--ctx-batch-size", type=int, default=4, help="prompts per CTE batch")
@@ -273,7 +271,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                                         "checkpoint directory's name)")
     p.add_argument("--grace-seconds", type=float, default=10.0,
                    help="on SIGTERM, how long running streams may take to finish")
-    p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from nxdi_common.serving.errors import InvalidRequest
+from nxdi_common.serving.errors import InvalidRequest, ModelNotFound
 from nxdi_common.serving.types import (ModelLimits, SamplingOptions, StopOptions, check_prompt,
                                        resolve_max_tokens)
 
@@ -74,8 +74,8 @@ class ModelFrontend:
     def check_model(self, model: str | None) -> None:
         """Empty or missing means this router's model; anything else must be its name."""
         if model and model != self.name:
-            raise InvalidRequest("model", f"model {model!r} is not served here; "
-                                          f"available: [{self.name!r}]")
+            raise ModelNotFound("model", f"model {model!r} is not served here; "
+                                         f"available: [{self.name!r}]")
 
     # --- tokenization --------------------------------------------------------------------
 

@@ -171,3 +171,23 @@ def test_fingerprint_mismatch_is_failed_precondition(fp32_cluster, spawn, bundle
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "dtype" in err.value.details()
     assert asyncio.run(decode_load(decode)).kv_blocks_used == 0
+
+
+def test_seeded_sampling_same_with_remote_or_local_prefill(fp32_cluster, tokenizer):
+    """Draw 0 of the request's random stream samples the first token on whichever worker
+    prefills; so a seeded request gives the same tokens either way (and different seeds differ)."""
+    decode = fp32_cluster.worker("decode", 0).grpc
+    ids = prompt_of(tokenizer, 40)
+
+    async def sample(seed, candidates):
+        async with grpc.aio.insecure_channel(decode) as channel:
+            req = pb.DecodeRequest(
+                request_id=f"seed-{seed}-{len(candidates)}", prompt_token_ids=ids,
+                prefill_candidates=candidates,
+                sampling=pb.SamplingParams(temperature=1.0, top_k=40, seed=seed),
+                stop=pb.StopCriteria(max_tokens=12, ignore_eos=True))
+            return [e.token_id async for e in pb_grpc.DecodeStub(channel).Generate(req)]
+
+    remote = [fp32_cluster.worker("prefill", 0).grpc]
+    assert asyncio.run(sample(11, remote)) == asyncio.run(sample(11, []))
+    assert asyncio.run(sample(11, remote)) != asyncio.run(sample(12, remote))

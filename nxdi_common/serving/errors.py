@@ -27,9 +27,8 @@ class InvalidRequest(ServingError, ValueError):
 
 
 class ModelNotFound(InvalidRequest):
-    """The requested model is not served here."""
-
-    http_status = 404
+    """The requested model is not served here (HTTP 400 naming "model", as the API promises;
+    OpenAI itself answers 404)."""
 
 
 class Overloaded(ServingError):

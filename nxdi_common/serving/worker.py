@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +43,14 @@ class ModelOptions:
             return Path(self.model)
         from nxdi_common.bundled import prepare_bundled_model
         return prepare_bundled_model()
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Where a worker listens, and its log level."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port")
+    p.add_argument("--log-level", default="INFO")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -139,10 +146,6 @@ def model_fingerprint(model, opts: ModelOptions) -> ModelFingerprint:
     return ModelFingerprint(model_dir.name, shape[0], heads, shape[-1], opts.dtype,
                             "fp8_e4m3fn" if nc.kv_cache_quant else "none",
                             weights_hash(model_dir))
-
-
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def eos_token_ids(model_dir: Path) -> set[int]:
