@@ -19,7 +19,7 @@ import torch
 
 from nxdi_common.block_manager import BlockManager
 from nxdi_common.serving.errors import Overloaded
-from decode_service.scheduler import DecodeScheduler
+from decode_service.scheduler import DecodeScheduler, split_by_length
 from decode_service.sequence import Sequence
 from nxdi_common.serving.sampling import request_generator, token_logprobs
 from nxdi_common.serving.detokenize import OutputText
@@ -34,6 +34,9 @@ class EngineConfig:
     num_blocks: int = 512
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # Fixed cost of one more TKG call, in row-tokens of attention (scheduler.split_by_length):
+    # measured with the bundled model, 1 thread: ~37 ms per call vs ~5.4 us per row-token.
+    split_call_cost_row_tokens: int = 6000
 
 
 class DecodeEngine:
@@ -136,8 +139,12 @@ class DecodeEngine:
                 seq = self._local.pop(0)
                 self._guarded(self._local_prefill, [seq], seq)
             batch = self.scheduler.next_batch()
-            if batch:
-                self._guarded(self._decode_step, batch, batch)
+            groups = self._decode_groups(batch)
+            for group in groups:
+                self._guarded(self._decode_step, group, group)
+            if groups and self.metrics is not None:
+                self.metrics.decode_steps_total.inc()
+                self.metrics.token_generation_calls_total.inc(len(groups))
             self._update_gauges()
 
     def _apply_commands(self, block: bool) -> None:
@@ -202,6 +209,15 @@ class DecodeEngine:
         self._finish_step([seq], out)
         if not seq.finished:
             self.scheduler.add_ready(seq)
+
+    def _decode_groups(self, batch: list[Sequence]) -> list[list[Sequence]]:
+        """The step's TKG calls: short sequences apart from long ones when that is cheaper."""
+        if len(batch) < 2:
+            return [batch] if batch else []
+        tkg = self.model.token_generation_model
+        rows = split_by_length([s.next_position() + 1 for s in batch], tkg.length_buckets,
+                               tkg.batch_buckets, self.config.split_call_cost_row_tokens)
+        return [[batch[i] for i in group] for group in rows]
 
     @torch.no_grad()
     def _decode_step(self, batch: list[Sequence]) -> None:

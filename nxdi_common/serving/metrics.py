@@ -47,6 +47,9 @@ COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
     ("kv_transfer_bytes", "KV cache payload bytes sent or received"),
     ("generated_tokens", "Tokens generated"),
     ("prompt_tokens", "Prompt tokens processed"),
+    ("decode_steps", "Decode steps (one token for every running sequence)"),
+    ("token_generation_calls", "Token-generation model calls (one per decode step, two when "
+     "short and long sequences run apart)"),
 )
 PREFIX = "nxdi_"
 
@@ -75,7 +78,8 @@ class ServingMetrics:
     ``e2e_request_latency_seconds``, ``kv_transfer_duration_seconds``; gauges
     ``queue_depth_requests``, ``running_sequences``, ``kv_blocks_used_blocks``,
     ``kv_blocks_free_blocks``, ``open_kv_transfers``; counters ``kv_transfer_bytes_total``,
-    ``generated_tokens_total``, ``prompt_tokens_total``; and ``requests_total``, an
+    ``generated_tokens_total``, ``prompt_tokens_total``, ``decode_steps_total``,
+    ``token_generation_calls_total``; and ``requests_total``, an
     :class:`OutcomeCounter` (``requests_total.inc("ok")``)."""
 
     def __init__(self, role: str):

@@ -108,7 +108,10 @@ def load_model(opts: ModelOptions, neuron_config):
     if opts.backend == "eager":
         model.to_cpu()
         return model
-    key = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:12]
+    # The folder is named by the configuration and the modeling code, so a code change compiles
+    # again instead of loading graphs traced from the old code.
+    from nxdi_common.backends.compile_cache import code_fingerprint
+    key = hashlib.sha256((model.config.to_json_string() + code_fingerprint()).encode()).hexdigest()[:12]
     root = Path(opts.compiled_root) if opts.compiled_root else model_dir.parent / "compiled"
     compiled = root / f"{model_dir.name}-{key}"
     if not (compiled / "nxdi_manifest.json").is_file():
