@@ -12,4 +12,4 @@ fi
 echo "[setup] installing torch==2.13.0 (CPU)"
 .venv/bin/python -m pip install -q torch==2.13.0
 echo "[setup] installing the project and its extras"
-.venv/bin/python -m pip install -q -e ".[bundled,serving,dev]"
+.venv/bin/python -m pip install -q -e ".[bundled,serving,bench,dev]"

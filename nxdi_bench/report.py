@@ -1,0 +1,119 @@
+"""The comparison's outputs: a Markdown table and PNG plots, from the results dictionary that
+``compare`` writes as JSON (so a saved run can be re-plotted or compared with a later one)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["markdown_table", "write_plots"]
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
+def _point_at(sweep: dict, rate: float | None) -> dict | None:
+    for p in sweep.get("points", []):
+        if rate is not None and abs(p["rate"] - rate) < 1e-9:
+            return p["summary"]
+    return None
+
+
+def markdown_table(results: dict) -> str:
+    """The headline table: goodput per configuration, latencies unloaded and at the goodput rate."""
+    meta = results["meta"]
+    baseline = results["configs"].get("aggregated", {}).get("sweep", {}).get("goodput")
+    rows = ["| configuration | goodput (req/s) | vs aggregated | p50 TTFT at goodput (ms) | "
+            "p99 TTFT at goodput (ms) | p50 TPOT at goodput (ms) | p99 ITL at goodput (ms) | "
+            "p99 ITL unloaded (ms) | p99 ITL loaded/unloaded | output tok/s at goodput |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, res in results["configs"].items():
+        if res.get("status") != "ok":
+            rows.append(f"| {name} | not run: {res.get('error', '?')[:160]} | | | | | | | | |")
+            continue
+        sweep = res["sweep"]
+        good = sweep["goodput"]
+        at = _point_at(sweep, good)
+        unl = res["unloaded"]
+        ratio = f"{good / baseline:.2f}x" if baseline else "-"
+        itl_u = unl["itl_s"]["p99"]
+        itl_l = at["itl_s"]["p99"] if at else None
+        loaded = f"{itl_l / itl_u:.2f}x" if itl_l and itl_u else "-"
+        tput = f"{at['output_token_throughput']:.1f}" if at else "-"
+        rows.append(
+            f"| {name} | {good:.3g} | {ratio} | {_ms(at and at['ttft_s']['p50'])} | "
+            f"{_ms(at and at['ttft_s']['p99'])} | {_ms(at and at['tpot_s']['p50'])} | "
+            f"{_ms(itl_l)} | {_ms(itl_u)} | {loaded} | {tput} |")
+    slo = meta["slo"]
+    head = (f"Workload `{meta['workload']}`, SLO: TTFT <= {slo['ttft_s']} s and TPOT <= "
+            f"{slo['tpot_s'] * 1000:.0f} ms for >= {_pct(slo['attainment'])} of requests.")
+    return head + "\n\n" + "\n".join(rows) + "\n"
+
+
+def _cdf(ax, values: list[float], label: str) -> None:
+    v = np.sort(np.asarray(values, dtype=np.float64)) * 1000
+    if v.size:
+        ax.plot(v, np.arange(1, v.size + 1) / v.size, label=label, drawstyle="steps-post")
+
+
+def write_plots(results: dict, out_dir: Path) -> list[Path]:
+    """latency_cdfs.png (TTFT and ITL CDFs at a common rate) and goodput.png (SLO attainment and
+    good requests/s against the offered rate)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    def readable_log_x(ax):
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+
+    out_dir = Path(out_dir)
+    ok = {n: r for n, r in results["configs"].items() if r.get("status") == "ok"}
+    paths = []
+
+    fig, (ax_ttft, ax_itl) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, res in ok.items():
+        cdf = res.get("cdf", {})
+        _cdf(ax_ttft, cdf.get("ttft_s", []), f"{name} ({cdf.get('label', '')})")
+        _cdf(ax_itl, cdf.get("itl_s", []), name)
+    ax_ttft.set(title="Time to first token", xlabel="ms", ylabel="fraction of requests",
+                xscale="log")
+    ax_itl.set(title="Inter-token latency", xlabel="ms", ylabel="fraction of gaps", xscale="log")
+    for ax in (ax_ttft, ax_itl):
+        readable_log_x(ax)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "latency_cdfs.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, (ax_att, ax_good) = plt.subplots(1, 2, figsize=(11, 4))
+    slo = results["meta"]["slo"]
+    for name, res in ok.items():
+        pts = sorted(res["sweep"]["points"], key=lambda p: p["rate"])
+        rates = [p["rate"] for p in pts]
+        ax_att.plot(rates, [p["summary"]["slo_attainment"] for p in pts], "o-", label=name)
+        ax_good.plot(rates, [p["summary"]["good_request_rate"] for p in pts], "o-",
+                     label=f"{name}: goodput {res['sweep']['goodput']:.3g} req/s")
+    ax_att.axhline(slo["attainment"], color="gray", linestyle="--", linewidth=1)
+    ax_att.set(title="SLO attainment", xlabel="offered rate (req/s)", ylabel="fraction meeting SLO",
+               xscale="log", ylim=(0, 1.05))
+    ax_good.set(title="Requests meeting the SLO per second", xlabel="offered rate (req/s)",
+                ylabel="req/s", xscale="log")
+    for ax in (ax_att, ax_good):
+        readable_log_x(ax)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "goodput.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

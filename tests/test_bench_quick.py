@@ -1,0 +1,79 @@
+"""``nxdi-bench compare --quick`` end to end against the real local stack (router, prefill and
+decode processes on a tiny model): both of our configurations measured, outputs exactly as long
+as requested, results/table/plots written, and a peer that cannot start reported, not dropped."""
+import json
+
+import pytest
+
+from nxdi_bench import cli, peers
+
+
+@pytest.fixture(scope="module")
+def quick_run(tiny_chat_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("goodput")
+    mp = pytest.MonkeyPatch()
+
+    def unavailable(peer, **kwargs):
+        raise peers.PeerUnavailable(peer, "no wheel can be built on this test machine", None)
+
+    mp.setattr(peers, "start_peer", unavailable)
+    try:
+        rc = cli.main(["compare", "--quick", "--model", str(tiny_chat_model), "--backend", "eager",
+                       "--dtype", "float32", "--max-model-len", "256", "--decode-max-batch-size",
+                       "8", "--kv-blocks", "256",
+                       "--configs", "disaggregated,aggregated,llama.cpp", "--out-dir", str(out)])
+    finally:
+        mp.undo()
+    return rc, out
+
+
+def test_quick_compare_measures_both_of_our_configurations(quick_run):
+    rc, out = quick_run
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["workload"] == "mixed"
+    for name in ("disaggregated", "aggregated"):
+        res = results["configs"][name]
+        assert res["status"] == "ok", res
+        assert res["unloaded"]["completed"] == res["unloaded"]["num_requests"] >= 1
+        points = res["sweep"]["points"]
+        assert 1 <= len(points) <= 2
+        for p in points:
+            s = p["summary"]
+            assert s["failed"] == 0 and s["completed"] == s["num_requests"] >= 6
+            assert 0.0 <= s["slo_attainment"] <= 1.0
+            assert 0 < s["ttft_s"]["p50"] <= s["e2e_s"]["p50"]
+            assert s["itl_s"]["count"] > 0
+        assert res["sweep"]["goodput"] in [0.0] + [p["rate"] for p in points if p["passed"]]
+        assert res["cdf"]["ttft_s"] and res["cdf"]["itl_s"]
+
+
+def test_outputs_are_exactly_as_long_as_requested(quick_run):
+    _, out = quick_run
+    records = json.loads((out / "records.json").read_text())
+    assert set(records) == {"disaggregated", "aggregated"}
+    for name, recs in records.items():
+        for r in recs:
+            assert r["error"] is None
+            assert r["output_tokens"] == r["expected_output_tokens"], name
+            # one event per token; a last token with no text of its own may only finish
+            assert r["expected_output_tokens"] - 1 <= len(r["token_times"]) <= r["output_tokens"]
+            assert r["token_times"] == sorted(r["token_times"])
+
+
+def test_a_peer_that_cannot_run_is_reported_with_its_error(quick_run):
+    _, out = quick_run
+    res = json.loads((out / "results.json").read_text())["configs"]["llama.cpp"]
+    assert res["status"] == "unavailable"
+    assert "no wheel can be built" in res["error"]
+    table = (out / "table.md").read_text()
+    assert "| llama.cpp | not run:" in table and "no wheel can be built" in table
+
+
+def test_table_and_plots_are_written(quick_run):
+    _, out = quick_run
+    table = (out / "table.md").read_text()
+    assert "| disaggregated |" in table and "| aggregated |" in table and "TTFT <=" in table
+    for name in ("latency_cdfs.png", "goodput.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
