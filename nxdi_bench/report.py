@@ -61,23 +61,22 @@ def _cdf(ax, values: list[float], label: str) -> None:
         ax.plot(v, np.arange(1, v.size + 1) / v.size, label=label, drawstyle="steps-post")
 
 
-def write_plots(results: dict, out_dir: Path) -> list[Path]:
-    """latency_cdfs.png (TTFT and ITL CDFs at a common rate) and goodput.png (SLO attainment and
-    good requests/s against the offered rate)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _finish(fig, axes, path: Path) -> Path:
     from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
-
-    def readable_log_x(ax):
-        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    for ax in axes:
+        lo, hi = ax.get_xlim()
+        wide = lo > 0 and hi / lo > 1000  # label 1-2-5 per decade unless that crowds the axis
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0,) if wide else (1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
         ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
-    out_dir = Path(out_dir)
-    ok = {n: r for n, r in results["configs"].items() if r.get("status") == "ok"}
-    paths = []
 
+def _latency_figure(plt, ok: dict, path: Path) -> Path:
     fig, (ax_ttft, ax_itl) = plt.subplots(1, 2, figsize=(11, 4))
     for name, res in ok.items():
         cdf = res.get("cdf", {})
@@ -86,17 +85,14 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
     ax_ttft.set(title="Time to first token", xlabel="ms", ylabel="fraction of requests",
                 xscale="log")
     ax_itl.set(title="Inter-token latency", xlabel="ms", ylabel="fraction of gaps", xscale="log")
-    for ax in (ax_ttft, ax_itl):
-        readable_log_x(ax)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "latency_cdfs.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    try:
+        return _finish(fig, (ax_ttft, ax_itl), path)
+    finally:
+        plt.close(fig)
 
+
+def _goodput_figure(plt, ok: dict, slo: dict, path: Path) -> Path:
     fig, (ax_att, ax_good) = plt.subplots(1, 2, figsize=(11, 4))
-    slo = results["meta"]["slo"]
     for name, res in ok.items():
         pts = sorted(res["sweep"]["points"], key=lambda p: p["rate"])
         rates = [p["rate"] for p in pts]
@@ -108,12 +104,19 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
                xscale="log", ylim=(0, 1.05))
     ax_good.set(title="Requests meeting the SLO per second", xlabel="offered rate (req/s)",
                 ylabel="req/s", xscale="log")
-    for ax in (ax_att, ax_good):
-        readable_log_x(ax)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "goodput.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    try:
+        return _finish(fig, (ax_att, ax_good), path)
+    finally:
+        plt.close(fig)
+
+
+def write_plots(results: dict, out_dir: Path) -> list[Path]:
+    """latency_cdfs.png (TTFT and ITL CDFs at a common rate) and goodput.png (SLO attainment and
+    good requests/s against the offered rate)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out_dir = Path(out_dir)
+    ok = {n: r for n, r in results["configs"].items() if r.get("status") == "ok"}
+    return [_latency_figure(plt, ok, out_dir / "latency_cdfs.png"),
+            _goodput_figure(plt, ok, results["meta"]["slo"], out_dir / "goodput.png")]
