@@ -27,6 +27,7 @@ from nxdi_bench.workloads import WORKLOADS, PromptBuilder, draw_requests, get_wo
 # a first token within 2 s even behind a 1.8k-token prompt, and >= 10 tokens/s while streaming.
 DEFAULT_SLO_TTFT_S = 2.0
 DEFAULT_SLO_TPOT_S = 0.100
+QUICK_MAX_MODEL_LEN = 512
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -38,8 +39,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrivals", choices=ARRIVAL_KINDS, default="poisson")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape: 1 = Poisson, < 1 burstier, > 1 smoother")
-    p.add_argument("--max-model-len", type=int, default=2048,
-                   help="lengths are scaled down to fit when the workload is longer")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="lengths are scaled down to fit when the workload is longer (default "
+                   "2048; compare --quick: 512, which its short requests fit, so the servers "
+                   "start faster)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply every prompt and output length range")
 
@@ -122,7 +125,7 @@ def _workload(args):
     w = get_workload(args.workload)
     if args.length_scale != 1.0:
         w = w.scaled(args.length_scale)
-    return w.fit(args.max_model_len)
+    return w.fit(_max_model_len(args))
 
 
 def _tokenizer(path: str | None):
@@ -203,6 +206,12 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def _max_model_len(args) -> int:
+    if args.max_model_len is not None:
+        return args.max_model_len
+    return QUICK_MAX_MODEL_LEN if getattr(args, "quick", False) else 2048
+
+
 def _compare_settings(args):
     from nxdi_bench.compare import QUICK_LENGTH_SCALE, QUICK_SWEEP, CompareSettings
     from nxdi_bench.configs import CONFIGS, ServeSettings
@@ -216,9 +225,9 @@ def _compare_settings(args):
                         burstiness=args.burstiness)
     elif args.length_scale != 1.0:
         workload = workload.scaled(args.length_scale)
-    workload = workload.fit(args.max_model_len)
+    workload = workload.fit(_max_model_len(args))
     serve = ServeSettings(model=args.model, gguf=args.gguf, dtype=args.dtype,
-                          backend=args.backend, max_model_len=args.max_model_len,
+                          backend=args.backend, max_model_len=_max_model_len(args),
                           compiled_root=args.compiled_root,
                           decode_max_batch_size=args.decode_max_batch_size,
                           kv_blocks=args.kv_blocks)
