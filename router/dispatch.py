@@ -79,11 +79,11 @@ class Dispatcher:
         self.registry, self.policy, self.metrics = registry, policy, metrics
         self.request_timeout_seconds = request_timeout_seconds
 
-    def plan(self, req: RoutedRequest) -> tuple[list[WorkerState], list[str]]:
-        """Decode workers to try, best first, and the prefill candidates' addresses."""
+    def plan(self, req: RoutedRequest) -> tuple[list[WorkerState], list[WorkerState]]:
+        """Decode workers to try, best first, and the prefill candidates, best first."""
         decodes = self.policy.rank_decode(req.prompt_ids, self.registry.workers(DECODE))
         prefills = self.policy.rank_prefill(req.prompt_ids, self.registry.workers(PREFILL))
-        return decodes, [w.address for w in prefills]
+        return decodes, prefills
 
     def unhealthy_reason(self) -> str:
         """Why no decode worker can take requests ("" when at least one is healthy)."""
@@ -147,8 +147,9 @@ class Dispatcher:
             raise Overloaded(f"every decode worker is full (refused by {', '.join(refused)})")
         raise Unavailable(self.unhealthy_reason() or "every decode worker failed")
 
-    def _start(self, worker: WorkerState, req: RoutedRequest, prefills: list[str],
+    def _start(self, worker: WorkerState, req: RoutedRequest, ranked: list[WorkerState],
                deadline: float):
+        prefills = compatible_prefills(worker, ranked)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request timed out before "
@@ -178,6 +179,20 @@ class Dispatcher:
             raise WorkerError(grpc.StatusCode.INTERNAL,
                               f"decode worker {address} ended the stream without a token")
         return convert.token_output(event)
+
+
+def compatible_prefills(decode: WorkerState, prefills: list[WorkerState]) -> list[str]:
+    """Addresses of the prefill candidates whose reported model fingerprint equals the decode
+    worker's (a prefill worker would refuse the pair with FAILED_PRECONDITION anyway; skipping it
+    saves the round trip, and with no compatible candidate the decode worker prefills locally).
+    A worker that has not reported a fingerprint yet is not excluded."""
+    mine = decode.load.fingerprint if decode.load is not None else None
+    out = []
+    for w in prefills:
+        theirs = w.load.fingerprint if w.load is not None else None
+        if mine is None or theirs is None or theirs == mine:
+            out.append(w.address)
+    return out
 
 
 async def _next_token(call, address: str) -> TokenOutput | None:

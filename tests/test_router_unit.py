@@ -14,7 +14,8 @@ from nxdi_common.serving.errors import InvalidRequest, Unavailable
 from nxdi_common.serving.metrics import ServingMetrics
 from nxdi_common.serving.types import SamplingOptions, StopOptions, TokenLogprob, TokenOutput, Usage
 from nxdi_common.serving.worker import ModelOptions
-from router.dispatch import Dispatcher, WorkerError
+from protos.nxdi.serving.v1 import serving_pb2 as pb
+from router.dispatch import Dispatcher, WorkerError, compatible_prefills
 from router.frontend import ModelFrontend, RoutedRequest
 from router.openai_format import ChatFormatter, CompletionFormatter, finish_reason
 from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed,
@@ -275,6 +276,25 @@ def test_optimistic_load_updates_spread_a_burst():
 
 
 # --- dispatch without workers -------------------------------------------------------------------
+
+
+def _with_fingerprint(address, role, weights_hash):
+    fp = None if weights_hash is None else pb.ModelFingerprint(
+        model_name="m", num_layers=2, num_kv_heads=2, head_dim=16, dtype=pb.DTYPE_FLOAT32,
+        kv_quantization=pb.KV_QUANTIZATION_NONE, weights_hash=weights_hash)
+    return WorkerState(address, role, healthy=True, load=WorkerLoad(fingerprint=fp))
+
+
+def test_prefill_candidates_must_report_the_decode_workers_fingerprint():
+    decode = _with_fingerprint("d:1", DECODE, "aaa")
+    prefills = [_with_fingerprint("p:1", PREFILL, "bbb"), _with_fingerprint("p:2", PREFILL, "aaa"),
+                _with_fingerprint("p:3", PREFILL, None), WorkerState("p:4", PREFILL)]
+    # p:1 serves other weights: skipped; not yet reported (p:3, p:4): kept, in rank order.
+    assert compatible_prefills(decode, prefills) == ["p:2", "p:3", "p:4"]
+    # A decode worker that has not reported its fingerprint pairs with every candidate.
+    assert compatible_prefills(WorkerState("d:2", DECODE), prefills) == ["p:1", "p:2", "p:3", "p:4"]
+    # None compatible: no candidates, so the decode worker prefills locally.
+    assert compatible_prefills(decode, prefills[:1]) == []
 
 
 def test_dispatch_with_no_healthy_decode_worker_is_unavailable_and_counted_rejected():
