@@ -91,10 +91,14 @@ async def _one_transfer(stub, fingerprint, ids, chunk_bytes) -> tuple[float, int
     req = pb.PrefillRequest(request_id="bench", prompt_token_ids=ids, fingerprint=fingerprint,
                             sampling=pb.SamplingParams(temperature=0),
                             max_chunk_bytes=chunk_bytes)
+    # The clock starts when the first token arrives: the worker sends it just before the first
+    # chunk, so the first chunk's own transfer is counted (starting at the first chunk's arrival
+    # left it out, which flattered large chunks: one chunk looked nearly free).
     start, payload = None, 0
     async for event in stub.Prefill(req):
+        if event.HasField("first_token"):
+            start = time.perf_counter()
         if event.HasField("kv_chunk"):
-            start = start or time.perf_counter()
             w = kv_transfer.decode_chunk(kv_transfer.chunk_from_proto(event.kv_chunk),
                                          reservation)
             dest_k[w.layers, w.tokens, w.heads] = w.k
