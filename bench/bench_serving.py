@@ -33,7 +33,7 @@ from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
 
 PROMPT_LENGTHS = (128, 512, 1024)
 TCP_BYTES, TCP_WRITE = 1 << 30, 4 << 20
-CHUNK_MIB = (1, 4, 16)  # KV chunk payload bounds tried; 4 MiB is the default
+CHUNK_MIB = (1, 4, 16)  # KV chunk payload bounds tried; 1 MiB is the default
 
 
 def _tcp_sink(port_queue) -> None:
