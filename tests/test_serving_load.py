@@ -64,7 +64,15 @@ async def run_load(cluster, n, concurrency, seed):
             return await stream_one(client, url, i, i % 4 == 0, rng)
 
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        return await asyncio.gather(*(one(i, client) for i in range(n)))
+        # An overall bound (the loads here take ~10 s): a stalled stream fails the test with the
+        # requests still open named, instead of hanging the suite.
+        tasks = [asyncio.ensure_future(one(i, client)) for i in range(n)]
+        done, pending = await asyncio.wait(tasks, timeout=240)
+        for task in pending:
+            task.cancel()
+        assert not pending, f"{len(pending)} of {n} requests still open after 240 s: " \
+            f"{sorted(tasks.index(t) for t in pending)[:20]}"
+        return [t.result() for t in tasks]
 
 
 @pytest.fixture(scope="module")
