@@ -15,6 +15,7 @@ import asyncio
 import inspect
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -231,10 +232,28 @@ def print_ready(role: str, **addresses: str) -> None:
     print(READY_PREFIX + json.dumps({"role": role, **addresses}), flush=True)
 
 
+PARENT_PID_ENV = "NXDI_PARENT_PID"  # set by the launcher (nxdi_common.serving.launcher_process)
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> None:
+    """When started by the launcher (NXDI_PARENT_PID set, Linux): ask the kernel for SIGTERM when
+    the launcher dies, and SIGTERM ourselves now if it already has (we were orphaned while
+    loading the model)."""
+    expected = os.environ.get(PARENT_PID_ENV)
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(expected):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def install_shutdown(loop: asyncio.AbstractEventLoop,
                      stop_coro_fn: Callable[[], Awaitable[None]]) -> asyncio.Event:
     """On the first SIGTERM or SIGINT, run ``stop_coro_fn()`` once in ``loop`` (later signals are
-    logged and ignored: the stop is already under way). Returns an event set once it finished."""
+    logged and ignored: the stop is already under way). Returns an event set once it finished.
+    Then die_with_launcher(): the handlers are in place before a launcher's death can signal."""
     done = asyncio.Event()
     tasks: list[asyncio.Task] = []
 
@@ -253,6 +272,7 @@ def install_shutdown(loop: asyncio.AbstractEventLoop,
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    die_with_launcher()
     return done
 
 

@@ -14,11 +14,10 @@ from collections import deque
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nxdi_common.serving.grpc_server import READY_PREFIX
+from nxdi_common.serving.grpc_server import PARENT_PID_ENV, READY_PREFIX
 
 ROLES = ("prefill", "decode", "router")
 TAIL_LINES = 200
-PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
@@ -140,26 +139,14 @@ class OutputTail:
         return "\n".join(self.lines())
 
 
-def _death_signal_fn():
-    """libc prctl, to have a child SIGTERMed when the launcher dies; None off Linux or off the
-    main thread (the signal fires when the spawning *thread* exits)."""
-    if not sys.platform.startswith("linux") or threading.current_thread() \
-            is not threading.main_thread():
-        return None
-    import ctypes
-    return ctypes.CDLL(None, use_errno=True).prctl
-
-
-def _child_setup(cpus: list[int] | None, prctl):
-    """preexec_fn: pin to ``cpus`` and ask for SIGTERM when the parent dies (syscalls only)."""
-
-    def setup() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-
-    return setup
+def _child_env(env: dict) -> dict:
+    """The child's environment: with NXDI_PARENT_PID when spawned from the main thread on Linux,
+    so the service asks for SIGTERM when this launcher dies (grpc_server.die_with_launcher). The
+    child does that itself: running code between fork and exec (preexec_fn) in a process with
+    gRPC threads ran gRPC's fork handlers and now and then aborted the child."""
+    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
+        return {**env, PARENT_PID_ENV: str(os.getpid())}
+    return env
 
 
 def _check_cpus(name: str, cpus: list[int] | None) -> None:
@@ -186,10 +173,18 @@ class ChildProcess:
         try:
             self.process = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env=env, text=True, errors="replace", bufsize=1, start_new_session=True,
-                preexec_fn=_child_setup(cpus, _death_signal_fn()))
+                env=_child_env(env), text=True, errors="replace", bufsize=1,
+                start_new_session=True)
         except (OSError, subprocess.SubprocessError) as exc:
             raise LaunchError(f"{self.name}: cannot start {argv!r}: {exc}") from exc
+        if cpus:
+            # Pinned from here, right after exec and long before the interpreter starts any
+            # thread (they inherit the main thread's CPU set).
+            try:
+                os.sched_setaffinity(self.process.pid, cpus)
+            except OSError as exc:
+                self.process.kill()
+                raise LaunchError(f"{self.name}: cannot pin to CPUs {cpus}: {exc}") from exc
         self._threads = [threading.Thread(target=self._drain, args=(stream,), daemon=True,
                                           name=f"{self.name}-{label}")
                          for stream, label in ((self.process.stdout, "stdout"),
