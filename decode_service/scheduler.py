@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import deque
 
 from decode_service.sequence import Sequence
+from nxdi_common.bucketing import select_bucket
 
 
 class DecodeScheduler:
@@ -51,10 +52,6 @@ class DecodeScheduler:
         return len(self.running)
 
 
-def _bucket(n: int, buckets: list[int]) -> int:
-    return next((b for b in buckets if b >= n), buckets[-1])
-
-
 def split_by_length(needed: list[int], length_buckets: list[int], batch_buckets: list[int],
                     call_cost_row_tokens: int) -> list[list[int]]:
     """Rows of one decode step, as one or two TKG calls (lists of row indices).
@@ -65,15 +62,15 @@ def split_by_length(needed: list[int], length_buckets: list[int], batch_buckets:
     call: reading the weights once more). Returns the cheaper of one call and the best split
     of the rows, sorted by ``needed`` (cache length), into a short and a long group."""
     order = sorted(range(len(needed)), key=lambda i: needed[i])
-    longest = _bucket(needed[order[-1]], length_buckets)
-    best_cost = _bucket(len(order), batch_buckets) * longest
+    longest = select_bucket(needed[order[-1]], length_buckets)
+    best_cost = select_bucket(len(order), batch_buckets) * longest
     best_k = 0
     for k in range(1, len(order)):
-        short = _bucket(needed[order[k - 1]], length_buckets)
+        short = select_bucket(needed[order[k - 1]], length_buckets)
         if short == longest:
             break
-        cost = (_bucket(k, batch_buckets) * short
-                + _bucket(len(order) - k, batch_buckets) * longest + call_cost_row_tokens)
+        cost = (select_bucket(k, batch_buckets) * short
+                + select_bucket(len(order) - k, batch_buckets) * longest + call_cost_row_tokens)
         if cost < best_cost:
             best_cost, best_k = cost, k
     return [order] if best_k == 0 else [order[:best_k], order[best_k:]]

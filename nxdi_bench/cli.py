@@ -10,18 +10,17 @@ writes JSON results (--out / --out-dir) that a later run can be compared with.""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from nxdi_bench.arrivals import ARRIVAL_KINDS, arrival_times
-from nxdi_bench.client import LoadTarget, Progress, run_closed_loop, run_open_loop
-from nxdi_bench.metrics import SLO, summarize
+from nxdi_bench.arrivals import ARRIVAL_KINDS
+from nxdi_bench.client import LoadTarget
+from nxdi_bench.metrics import SLO
 from nxdi_bench.runs import Runner, SweepSettings
-from nxdi_bench.workloads import WORKLOADS, PromptBuilder, draw_requests, get_workload
+from nxdi_bench.workloads import WORKLOADS, PromptBuilder, get_workload
 
 # Default SLOs for the bundled 135M chat model on a 2-core CPU (reasons in BENCHMARKS.md):
 # a first token within 2 s even behind a 1.8k-token prompt, and >= 10 tokens/s while streaming.
@@ -137,10 +136,8 @@ def _tokenizer(path: str | None):
 
 
 def _target(args) -> LoadTarget:
-    import httpx
-    model = args.model
-    if model is None:
-        model = httpx.get(args.url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
+    from nxdi_bench.configs import served_model_id
+    model = args.model or served_model_id(args.url.rstrip("/"))
     try:
         extra = json.loads(args.extra_body)
     except json.JSONDecodeError as exc:
@@ -173,20 +170,17 @@ def _print_summary(summary) -> None:
 
 
 def cmd_load(args) -> int:
-    target, slo = _target(args), _slo(args)
-    builder = PromptBuilder(_tokenizer(args.tokenizer))
-    requests = draw_requests(_workload(args), args.num_requests, builder, args.seed)
-    progress = Progress("load", len(requests))
+    one_run = SweepSettings(seed=args.seed, arrivals=args.arrivals, burstiness=args.burstiness)
+    runner = Runner(_target(args), _workload(args), PromptBuilder(_tokenizer(args.tokenizer)),
+                    _slo(args), one_run)
     if args.rate:
-        times = arrival_times(len(requests), args.rate, args.seed + 1, args.arrivals,
-                              args.burstiness)
-        records = asyncio.run(run_open_loop(target, requests, times, progress.update))
+        summary = runner.open_loop(args.rate, args.num_requests)
     else:
-        records = asyncio.run(run_closed_loop(target, requests, args.concurrency, progress.update))
-    summary = summarize(records, slo, rate=args.rate, concurrency=args.concurrency)
+        summary = runner.closed_loop(args.concurrency, args.num_requests)
     _print_summary(summary)
     if args.out:
         from dataclasses import asdict
+        (records,) = runner.records.values()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"summary": summary.to_dict(),
                                         "records": [asdict(r) for r in records]}, indent=1))

@@ -106,7 +106,7 @@ def _attach_cdfs(results: dict, records: dict[str, dict], label: str | None) -> 
     return kept
 
 
-def _write(results: dict, out_dir: Path, name: str, data) -> None:
+def _write(out_dir: Path, name: str, data) -> None:
     path = out_dir / name
     tmp = path.with_suffix(".tmp")
     tmp.write_text(data if isinstance(data, str) else json.dumps(data, indent=1))
@@ -128,11 +128,11 @@ def compare(s: CompareSettings, tokenizer, progress=print) -> dict:
             error = f"{type(exc).__name__}: {exc}"
             progress(f"[{name}] could not be measured: {error}")
             results["configs"][name] = {"status": "unavailable", "error": error}
-        _write(results, s.out_dir, "results.json", results)
-    label = _cdf_rate({n: r for n, r in records.items()}, s.cdf_rate)
+        _write(s.out_dir, "results.json", results)
+    label = _cdf_rate(records, s.cdf_rate)
     kept = _attach_cdfs(results, records, label)
-    _write(results, s.out_dir, "results.json", results)
-    _write(results, s.out_dir, "records.json", kept)
-    _write(results, s.out_dir, "table.md", markdown_table(results))
+    _write(s.out_dir, "results.json", results)
+    _write(s.out_dir, "records.json", kept)
+    _write(s.out_dir, "table.md", markdown_table(results))
     write_plots(results, s.out_dir)
     return results

