@@ -149,6 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-hf", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from nxdi_common.runtime import keep_large_buffers_in_heap
+    keep_large_buffers_in_heap()  # as the workers run (nxdi_common/runtime.py)
     from nxdi_common.bundled import prepare_bundled_model
     model_dir = args.model or str(prepare_bundled_model())
     dtype = getattr(torch, args.dtype)

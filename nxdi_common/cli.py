@@ -36,6 +36,8 @@ def build_model(args, model_dir: Path):
     import torch
     from nxdi_common.config import NeuronConfig, OnDeviceSamplingConfig
     from nxdi_common.models.llama import NeuronLlamaForCausalLM
+    from nxdi_common.runtime import keep_large_buffers_in_heap
+    keep_large_buffers_in_heap()
     nc = NeuronConfig(batch_size=1, seq_len=args.seq_len, torch_dtype=getattr(torch, args.dtype),
                       enable_bucketing=True, backend="cpu", fused_qkv=True,
                       on_device_sampling_config=OnDeviceSamplingConfig(dynamic=True, do_sample=True))

@@ -101,6 +101,8 @@ def load_model(opts: ModelOptions, neuron_config):
     """Build, compile (once, cached by configuration) or load, and return the application."""
     import torch
     from nxdi_common.models.llama import NeuronLlamaForCausalLM
+    from nxdi_common.runtime import keep_large_buffers_in_heap
+    keep_large_buffers_in_heap()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     model_dir = opts.model_dir()
