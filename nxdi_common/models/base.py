@@ -45,7 +45,7 @@ class NeuronBaseModel(nn.Module):
         index = (seq_ids, position_ids, slot_mapping, block_table)
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, hidden.dtype)
-        mask = self._attention_mask(position_ids, kv_len)
+        mask = self._attention_mask(position_ids, kv_len, hidden.dtype)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, mask, kv_cache, i, self.kv_mgr, index, kv_len)
         hidden = self._last_token(hidden, attention_mask, kv_len)  # [B, 1, hidden]
@@ -56,14 +56,15 @@ class NeuronBaseModel(nn.Module):
         return (tokens, logits) if self.neuron_config.output_logits else (tokens,)
 
     @staticmethod
-    def _attention_mask(position_ids, kv_len):
-        """Boolean mask (True = attend): causal [1, 1, S, S] for context encoding; for token
-        generation [B, 1, S, kv_len] allowing cache positions up to each query's position."""
+    def _attention_mask(position_ids, kv_len, dtype):
+        """None for context encoding (causal attention over the call's own keys); for token
+        generation an additive mask [B, 1, S, kv_len] in `dtype`: 0 for the cache positions up to
+        each query's position, -inf after. Built once per call and shared by every layer."""
         if kv_len is None:
-            s = position_ids.shape[1]
-            return torch.ones(s, s, dtype=torch.bool).tril().view(1, 1, s, s)
+            return None
         cache_pos = torch.arange(kv_len).view(1, 1, 1, kv_len)
-        return cache_pos <= position_ids.unsqueeze(1).unsqueeze(-1)
+        allowed = cache_pos <= position_ids.unsqueeze(1).unsqueeze(-1)
+        return torch.where(allowed, 0.0, float("-inf")).to(dtype)
 
     @staticmethod
     def _last_token(hidden, attention_mask, kv_len):

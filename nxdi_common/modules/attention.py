@@ -67,30 +67,39 @@ class NeuronAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype, device=device)
 
-    def project(self, x):
-        """q [B, H, S, D], k and v [B, Hkv, S, D] from hidden states x [B, S, hidden]."""
-        b, s, _ = x.shape
+    def project(self, x, cos, sin):
+        """Rotated q [B, H, S, D] and k [B, Hkv, S, D], and v [B, Hkv, S, D], from hidden states
+        x [B, S, hidden]. Head counts and sizes are the module's ints, never read from x."""
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.fused_qkv:
-            q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([q_out, kv_out, kv_out], dim=-1)
+            heads = self.qkv_proj(x).unflatten(-1, (h + 2 * hkv, d))  # [B, S, H + 2Hkv, D]
+            if self.q_norm is None:  # rotate q and k together: one RoPE over H + Hkv heads
+                qk, v = heads.split([h + hkv, hkv], dim=2)
+                qk = apply_rope(qk.transpose(1, 2), cos, sin, d // 2)
+                q, k = qk.split([h, hkv], dim=1)
+                return q, k, v.transpose(1, 2)
+            q, k, v = heads.split([h, hkv, hkv], dim=2)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, s, self.num_heads, self.head_dim)
-        k = k.view(b, s, self.num_kv_heads, self.head_dim)
+            q = self.q_proj(x).unflatten(-1, (h, d))
+            k = self.k_proj(x).unflatten(-1, (hkv, d))
+            v = self.v_proj(x).unflatten(-1, (hkv, d))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        v = v.view(b, s, self.num_kv_heads, self.head_dim)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = apply_rope(q.transpose(1, 2), cos, sin, d // 2)
+        k = apply_rope(k.transpose(1, 2), cos, sin, d // 2)
+        return q, k, v.transpose(1, 2)
 
-    def forward(self, x, cos, sin, mask, cache, layer: int, kv_mgr, index, kv_len: int | None):
-        """x [B, S, hidden]; mask [B, 1, S, T] boolean (True = attend). kv_len None means context
-        encoding (attend to this call's own keys); an int means token generation (attend to the
-        first kv_len cached positions, after writing this step's keys)."""
-        q, k, v = self.project(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def forward(self, x, cos, sin, mask, cache, layer: int, kv_mgr, index, kv_len: int | None,
+                residual=None):
+        """x [B, S, hidden]; cos/sin from rope_cos_sin; mask None (causal) or [B, 1, S, T] additive
+        float (0 = attend, -inf = not). kv_len None means context encoding (attend to this call's
+        own keys); an int means token generation (attend to the first kv_len cached positions, after writing
+        this step's keys). Returns residual + attention output when residual is given."""
+        q, k, v = self.project(x, cos, sin)
         kv_mgr.write(cache, layer, k, v, index)
         if kv_len is not None:
             k, v = kv_mgr.read(cache, layer, index, kv_len)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        b, _, s, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=True)
+        out = out.transpose(1, 2).flatten(2)  # [B, S, H * D]
+        return self.o_proj(out) if residual is None else self.o_proj.add_to(residual, out)

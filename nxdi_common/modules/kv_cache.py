@@ -28,6 +28,11 @@ def kv_cache_dtype(neuron_config) -> torch.dtype:
     return neuron_config.torch_dtype
 
 
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype (no graph op when it already is)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class KVCacheManager:
     """Flat per-sequence KV layout addressed by seq_ids and positions."""
 
@@ -36,6 +41,7 @@ class KVCacheManager:
     def __init__(self, num_layers: int, max_batch_size: int, kv_heads: int, seq_len: int,
                  head_dim: int, dtype: torch.dtype, compute_dtype: torch.dtype):
         self.shape = (num_layers, 2, max_batch_size + 1, kv_heads, seq_len, head_dim)
+        self.kv_heads, self.head_dim = kv_heads, head_dim
         self.scratch_row = max_batch_size
         self.dtype, self.compute_dtype = dtype, compute_dtype
 
@@ -46,19 +52,17 @@ class KVCacheManager:
         """Store k, v [B, Hkv, S, D] at (seq_ids [B], position_ids [B, S]) of `index`."""
         seq_ids, position_ids = index[0], index[1]
         rows = seq_ids.long().unsqueeze(1)  # [B, 1]
-        for which, value in ((K, k), (V, v)):
-            # Advanced indices on dims 0 and 2 put [B, S] first: values are [B, S, Hkv, D].
-            cache[layer, which][rows, :, position_ids] = self._store(value)
+        kv = _as_dtype(torch.stack((k, v)), self.dtype)  # [2, B, Hkv, S, D]
+        # Advanced indices on dims 1 and 3 put [B, S] first: the values are [B, S, 2, Hkv, D].
+        cache[layer][:, rows, :, position_ids] = kv.permute(1, 3, 0, 2, 4)
 
     def read(self, cache, layer: int, index, length: int):
         """k, v [B, Hkv, length, D] for the rows seq_ids, in the compute dtype."""
         seq_ids = index[0].long()
+        # index_select on dim 0 (per K and V) is about 2x faster here than one select on dim 1.
         k = cache[layer, K][:, :, :length].index_select(0, seq_ids)  # copies only `length`
         v = cache[layer, V][:, :, :length].index_select(0, seq_ids)
-        return k.to(self.compute_dtype), v.to(self.compute_dtype)
-
-    def _store(self, value):
-        return value.transpose(1, 2).to(self.dtype)
+        return _as_dtype(k, self.compute_dtype), _as_dtype(v, self.compute_dtype)
 
 
 class BlockKVCacheManager:
@@ -69,6 +73,7 @@ class BlockKVCacheManager:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, compute_dtype: torch.dtype):
         self.shape = (num_layers, 2, num_blocks + 1, block_size, kv_heads, head_dim)
+        self.kv_heads, self.head_dim = kv_heads, head_dim
         self.block_size, self.scratch_block = block_size, num_blocks
         self.dtype, self.compute_dtype = dtype, compute_dtype
 
@@ -78,24 +83,21 @@ class BlockKVCacheManager:
     def write(self, cache, layer: int, k, v, index) -> None:
         """Store k, v [B, Hkv, S, D] at slot_mapping [B, S] (index[2])."""
         slots = index[2].reshape(-1).long()
-        for which, value in ((K, k), (V, v)):
-            flat = cache[layer, which].view(-1, value.shape[1], value.shape[3])  # [NB*BS, Hkv, D]
-            rows = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[3])
-            flat.index_copy_(0, slots, rows.to(self.dtype))
+        kv = _as_dtype(torch.stack((k, v)).transpose(2, 3), self.dtype)  # [2, B, S, Hkv, D]
+        rows = kv.flatten(1, 2)  # [2, B * S, Hkv, D]
+        cache[layer].view(2, -1, self.kv_heads, self.head_dim).index_copy_(1, slots, rows)
 
     def read(self, cache, layer: int, index, length: int):
         """Gather block_table [B, length / block_size] (index[3]) into k, v [B, Hkv, length, D]."""
-        table = index[3].long()
-        b, nb = table.shape
-        flat = table.reshape(-1)
+        flat = index[3].reshape(-1).long()
         out = []
         for which in (K, V):
             # index_select on the block dim copies each block once (about 4x faster here than
-            # advanced indexing cache[table], which dominated token generation at long lengths).
-            blocks = cache[layer, which].index_select(0, flat)  # [B * NBt, BS, Hkv, D]
-            _, bs, h, d = blocks.shape
-            out.append(blocks.view(b, nb * bs, h, d).transpose(1, 2).to(self.compute_dtype))
-        return out[0], out[1]
+            # advanced indexing cache[table]; 2x faster on dim 0 than one select over K and V).
+            blocks = cache[layer, which].index_select(0, flat)  # [B * blocks, BS, Hkv, D]
+            kv = blocks.view(-1, length, self.kv_heads, self.head_dim).transpose(1, 2)
+            out.append(_as_dtype(kv, self.compute_dtype))  # [B, Hkv, length, D]
+        return out[K], out[V]
 
 
 def make_kv_cache_manager(neuron_config, num_layers: int, kv_heads: int, head_dim: int):

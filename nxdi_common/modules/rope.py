@@ -53,18 +53,17 @@ def _llama3_scale(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos and sin [B, S, head_dim] for position_ids [B, S], computed in float32."""
+    """cos and signed sin [B, 1, S, head_dim] (broadcast over heads) for position_ids [B, S],
+    computed in float32. The sin's first half is negated, so that `apply_rope` rotates with a
+    roll instead of a negate-and-concatenate (the same arithmetic, fewer graph ops)."""
     freqs = position_ids.float().unsqueeze(-1) * inv_freq  # [B, S, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [B, S, D]
+    return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, S, D] by cos/sin [B, S, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+               half: int) -> torch.Tensor:
+    """Rotate x [B, H, S, D] by the output of rope_cos_sin; half = D // 2. Equal to the reference
+    x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1) = roll(x, half) * sign."""
+    return x * cos + x.roll(half, dims=-1) * signed_sin

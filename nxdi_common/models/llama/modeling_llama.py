@@ -75,9 +75,13 @@ class NeuronLlamaMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * inter, **kw)
         self.down_proj = Linear(inter, hidden, **kw)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """The MLP of x; plus residual, in the down projection's kernel, when given."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        hidden = F.silu(gate) * up
+        if residual is None:
+            return self.down_proj(hidden)
+        return self.down_proj.add_to(residual, hidden)
 
 
 class NeuronLlamaDecoderLayer(nn.Module):
@@ -97,9 +101,9 @@ class NeuronLlamaDecoderLayer(nn.Module):
                                   bool(getattr(config, "mlp_bias", False)), dtype, device)
 
     def forward(self, x, cos, sin, mask, cache, layer, kv_mgr, index, kv_len):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, kv_mgr, index,
-                               kv_len)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, kv_mgr, index,
+                           kv_len, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class NeuronLlamaModel(NeuronBaseModel):
