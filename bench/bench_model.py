@@ -1,7 +1,7 @@
 """Model benchmark (issue: nxdi_common performance): nxdi_common vs transformers' generate() on the
 same checkpoint, same dtype, same threads, in one run. Prints a Markdown table and writes JSON.
 
-    .venv/bin/python bench/bench_model.py --dtype bfloat16 --out results/bench_model.json
+    .venv/bin/python bench/bench_model.py --dtype bfloat16 --int8 --out results/bench_model.json
 
 Figures: prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1 and aggregate at batch
 16 (128 new tokens); the memory-bandwidth bound (weight bytes / measured read bandwidth); peak
@@ -57,15 +57,20 @@ def _median_time(fn, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def build_ours(model_dir: str, dtype, batch: int, compiled_root: Path):
+def build_ours(model_dir: str, dtype, batch: int, compiled_root: Path, int8: bool = False):
+    """Compiled and loaded; with int8, weights quantized per channel (written once)."""
     from nxdi_common.config import NeuronConfig
     from nxdi_common.models.llama import NeuronLlamaForCausalLM
+    quant = dict(quantized=True, quantization_type="per_channel_symmetric",
+                 quantized_checkpoints_path=str(compiled_root / "int8-per-channel")) if int8 else {}
     nc = NeuronConfig(batch_size=batch, seq_len=PROMPT_LEN + NEW_TOKENS, torch_dtype=dtype,
                       enable_bucketing=True, context_encoding_buckets=[PROMPT_LEN],
                       token_generation_buckets=[PROMPT_LEN + NEW_TOKENS], backend="cpu",
-                      fused_qkv=True)
+                      fused_qkv=True, **quant)
     model = NeuronLlamaForCausalLM(model_dir, neuron_config=nc)
-    path = compiled_root / f"b{batch}-{str(dtype).split('.')[-1]}"
+    if int8 and not Path(quant["quantized_checkpoints_path"]).is_dir():
+        NeuronLlamaForCausalLM.save_quantized_state_dict(model_dir, model.config)
+    path = compiled_root / f"b{batch}-{str(dtype).split('.')[-1]}{'-int8' if int8 else ''}"
     model.compile(str(path))
     model.load(str(path))
     return model, path
@@ -147,6 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="results/bench_model.json")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--int8", action="store_true",
+                   help="also measure int8 weights (per-channel, torch's weight-only int8 kernel)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from nxdi_common.runtime import keep_large_buffers_in_heap
@@ -169,6 +176,8 @@ def main(argv=None) -> int:
     del model
     ours.update(load_memory(model_dir, path1))
     res["nxdi"] = ours
+    if args.int8:
+        res["nxdi_int8"] = int8_figures(model_dir, dtype, compiled_root)
     if not args.skip_hf:
         res["transformers"] = hf_figures(model_dir, dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -177,15 +186,31 @@ def main(argv=None) -> int:
     return 0
 
 
+def int8_figures(model_dir: str, dtype, compiled_root: Path) -> dict:
+    model, _ = build_ours(model_dir, dtype, 1, compiled_root, int8=True)
+    out = {"prefill_tok_s": ours_prefill(model),
+           "decode_b1_tok_s": max(ours_decode(model, 1) for _ in range(2))}
+    del model
+    model, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root, int8=True)
+    out[f"decode_b{BIG_BATCH}_tok_s"] = ours_decode(model, BIG_BATCH)
+    return out
+
+
 def markdown(res: dict) -> str:
-    ours, hf = res["nxdi"], res.get("transformers", {})
+    ours, hf, int8 = res["nxdi"], res.get("transformers", {}), res.get("nxdi_int8")
     rows = [("prefill 512 tok (tok/s)", "prefill_tok_s"), ("decode batch 1 (tok/s)", "decode_b1_tok_s"),
             (f"decode batch {BIG_BATCH} aggregate (tok/s)", f"decode_b{BIG_BATCH}_tok_s")]
     lines = ["| figure | nxdi_common | transformers | ratio |", "|---|---|---|---|"]
+    if int8:
+        lines = ["| figure | nxdi_common | transformers | ratio | nxdi_common int8 | int8 ratio |",
+                 "|---|---|---|---|---|---|"]
     for label, key in rows:
         h = hf.get(key)
-        lines.append(f"| {label} | {ours[key]:.1f} | {h:.1f} | {ours[key] / h:.2f}x |" if h else
-                     f"| {label} | {ours[key]:.1f} | - | - |")
+        line = (f"| {label} | {ours[key]:.1f} | {h:.1f} | {ours[key] / h:.2f}x |" if h else
+                f"| {label} | {ours[key]:.1f} | - | - |")
+        if int8:
+            line += f" {int8[key]:.1f} | {int8[key] / h:.2f}x |" if h else f" {int8[key]:.1f} | - |"
+        lines.append(line)
     lines.append(f"\nread bandwidth {res['read_bandwidth_gbs']:.1f} GB/s; weights "
                  f"{res['weight_bytes'] / 1e6:.0f} MB; bound {res['bound_tok_s']:.1f} tok/s; "
                  f"batch-1 decode = {ours['decode_b1_tok_s'] / res['bound_tok_s']:.0%} of bound; "

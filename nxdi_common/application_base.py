@@ -16,13 +16,15 @@ from nxdi_common.backends.compile_cache import CompileCache, cache_key, code_fin
 from nxdi_common.backends.cpu import EagerBackend
 from nxdi_common.backends.weights import unique_parameters, weights_tuple
 from nxdi_common.config import CONFIG_FILE, InferenceConfig, load_pretrained_config
+from nxdi_common.modules import quantization
 
 MANIFEST = "nxdi_manifest.json"
 SHARDED_WEIGHTS = Path("weights") / "tp0_sharded_checkpoint.safetensors"
 # Settings baked into the compiled graphs: load() refuses a folder compiled with other values.
 _GRAPH_NEURON_FIELDS = ("torch_dtype", "attention_dtype", "seq_len", "max_context_length",
                         "tp_degree", "max_batch_size", "fused_qkv", "qk_layernorm", "output_logits",
-                        "is_block_kv_layout", "pa_block_size", "pa_num_blocks", "kv_cache_quant")
+                        "is_block_kv_layout", "pa_block_size", "pa_num_blocks", "kv_cache_quant",
+                        "quantized", "modules_to_not_convert")
 _GRAPH_MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
                        "num_key_value_heads", "num_hidden_layers", "vocab_size", "head_dim")
 
@@ -67,12 +69,59 @@ class NeuronApplicationBase(nn.Module):
     # -- weights -------------------------------------------------------------------------------
     @classmethod
     def get_state_dict(cls, model_path, config) -> dict:
-        """Checkpoint tensors (memory-mapped), prefix-renamed, converted and cast."""
-        sd = checkpoint.load_state_dict(model_path)
+        """Checkpoint tensors (memory-mapped), prefix-renamed, converted and cast; with
+        neuron_config.quantized, from the quantized checkpoint instead of model_path."""
+        nc = config.neuron_config
+        if nc.quantized:
+            sd = quantization.expand_scales(cls._load_quantized(nc))
+        else:
+            sd = checkpoint.load_state_dict(model_path)
         sd = checkpoint.rename_prefix(sd, cls._STATE_DICT_MODEL_PREFIX, cls._NEW_STATE_DICT_MODEL_PREFIX)
         sd = cls.convert_hf_to_neuron_state_dict(sd, config)
-        nc = config.neuron_config
         return checkpoint.cast_state_dict(sd, nc.torch_dtype, nc.cast_type)
+
+    # -- quantization (API reference: save/generate/prepare_quantized_state_dict) ----------------
+    @classmethod
+    def save_quantized_state_dict(cls, model_path, config) -> None:
+        """Quantize the checkpoint in model_path and write it to
+        neuron_config.quantized_checkpoints_path: a folder gets model.safetensors; a file path
+        ending in .pt or .bin gets a torch.save file (read back with weights_only=True)."""
+        nc = config.neuron_config
+        quantization.check_supported(nc)
+        sd = cls.generate_quantized_state_dict(model_path, config)
+        target = Path(nc.quantized_checkpoints_path)
+        if target.suffix in (".pt", ".bin"):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+            torch.save({k: v.contiguous() for k, v in sd.items()}, tmp)
+            os.replace(tmp, target)
+            return
+        checkpoint.save_state_dict({k: v.contiguous() for k, v in sd.items()}, target,
+                                   format="safetensors")  # staged, then renamed into place
+
+    @classmethod
+    def generate_quantized_state_dict(cls, model_path, config) -> dict:
+        """The quantized state dict (HF names) of the checkpoint in model_path."""
+        sd = checkpoint.load_state_dict(model_path)
+        return cls.prepare_quantized_state_dict(sd, config)
+
+    @classmethod
+    def prepare_quantized_state_dict(cls, hf_state_dict: dict, config) -> dict:
+        """int8 weights and float32 scales for the projections and LM head not listed in
+        modules_to_not_convert; subclasses may override to quantize differently."""
+        return quantization.quantize_state_dict(
+            hf_state_dict, config.neuron_config, bool(getattr(config, "tie_word_embeddings", False)))
+
+    @staticmethod
+    def _load_quantized(nc) -> dict:
+        quantization.check_supported(nc)
+        path = Path(nc.quantized_checkpoints_path)
+        if path.is_file():
+            return checkpoint.load_pickle_file(path)  # weights_only=True
+        if not path.is_dir():
+            raise FileNotFoundError(f"quantized_checkpoints_path {path} does not exist; write it "
+                                    "with save_quantized_state_dict(model_path, config)")
+        return checkpoint.load_state_dict(path)
 
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict: dict, config) -> dict:
@@ -82,6 +131,10 @@ class NeuronApplicationBase(nn.Module):
         """Build the torch model on the meta device and assign the given tensors as its weights."""
         with torch.device("meta"):
             model = self._model_cls(self.config)
+            if self.neuron_config.quantized:
+                quantization.quantize_linear_modules(model, self.neuron_config)
+        if self.neuron_config.quantized:
+            state_dict = quantization.aligned_int8(state_dict)
         expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         missing, unexpected = expected - set(state_dict), set(state_dict) - expected
         if missing or unexpected:

@@ -135,6 +135,11 @@ def _load_pickle(path: Path, mmap: bool) -> dict[str, torch.Tensor]:
     return _require_tensor_dict(loaded, path)
 
 
+def load_pickle_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """One torch pickle file of tensors (weights_only=True), memory-mapped when possible."""
+    return _load_pickle(Path(path), mmap=True)
+
+
 def _unpickler_reason(err: pickle.UnpicklingError) -> str:
     """The line of torch's long weights-only error that names what was blocked."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]

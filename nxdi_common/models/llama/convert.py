@@ -31,7 +31,7 @@ def convert_llama_state_dict(state_dict: dict, config) -> dict:
 
 def _fuse_gate_up(sd: dict, prefix: str) -> None:
     """mlp.gate_proj + mlp.up_proj → mlp.gate_up_proj (gate rows first)."""
-    for kind in ("weight", "bias"):
+    for kind in ("weight", "bias", "scale"):
         gate, up = f"{prefix}gate_proj.{kind}", f"{prefix}up_proj.{kind}"
         if gate in sd and up in sd:
             sd[f"{prefix}gate_up_proj.{kind}"] = torch.cat([sd.pop(gate), sd.pop(up)], dim=0)
@@ -45,7 +45,7 @@ def _replicate_kv(sd: dict, prefix: str, kv_heads: int, target: int, head_dim: i
         raise ValueError(f"cannot replicate {kv_heads} KV heads to {target}")
     repeat = target // kv_heads
     for proj in ("k_proj", "v_proj"):
-        for kind in ("weight", "bias"):
+        for kind in ("weight", "bias", "scale"):
             key = f"{prefix}{proj}.{kind}"
             if key in sd:
                 t = sd[key]
@@ -55,7 +55,7 @@ def _replicate_kv(sd: dict, prefix: str, kv_heads: int, target: int, head_dim: i
 
 
 def _fuse_qkv(sd: dict, prefix: str) -> None:
-    for kind in ("weight", "bias"):
+    for kind in ("weight", "bias", "scale"):
         keys = [f"{prefix}{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj")]
         if all(k in sd for k in keys):
             sd[f"{prefix}qkv_proj.{kind}"] = torch.cat([sd.pop(k) for k in keys], dim=0)
