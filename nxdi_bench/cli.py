@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     g.add_argument("--backend", choices=("compiled", "eager"), default="compiled")
     g.add_argument("--compiled-root")
+    g.add_argument("--quantize", choices=("int8",), help="our configurations' weights as int8 "
+                   "(the peers serve the checkpoint's own dtype)")
     g.add_argument("--cpus", help="comma-separated CPU ids every configuration shares "
                    "(default: the first two this process may use)")
     g.add_argument("--decode-max-batch-size", type=int, default=16)
@@ -222,7 +224,7 @@ def _compare_settings(args):
     workload = workload.fit(_max_model_len(args))
     serve = ServeSettings(model=args.model, gguf=args.gguf, dtype=args.dtype,
                           backend=args.backend, max_model_len=_max_model_len(args),
-                          compiled_root=args.compiled_root,
+                          compiled_root=args.compiled_root, quantize=args.quantize,
                           decode_max_batch_size=args.decode_max_batch_size,
                           kv_blocks=args.kv_blocks)
     if args.cpus:

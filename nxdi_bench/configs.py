@@ -33,6 +33,7 @@ class ServeSettings:
     backend: str = "compiled"
     max_model_len: int = 2048
     compiled_root: str | None = None
+    quantize: str | None = None         # ours only: "int8" weights
     cpus: list[int] = field(default_factory=lambda: _default_cpus())
     decode_max_batch_size: int = 16
     kv_blocks: int = 1024
@@ -47,7 +48,7 @@ def _default_cpus() -> list[int]:
 def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
     decode_args = ["--max-batch-size", str(s.decode_max_batch_size), "--kv-blocks", str(s.kv_blocks)]
     common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
-                  compiled_root=s.compiled_root, decode_args=decode_args,
+                  compiled_root=s.compiled_root, quantize=s.quantize, decode_args=decode_args,
                   startup_timeout_seconds=s.startup_timeout_s)
     if name == "disaggregated":
         cpus = {"prefill0": s.cpus[:1], "decode0": s.cpus[-1:]} if len(s.cpus) >= 2 else {}

@@ -206,3 +206,26 @@ def test_misaligned_int8_weights_are_realigned():
     x = torch.randn(512, 32, dtype=torch.bfloat16)  # the case that crashed misaligned
     y = torch.ops.aten._weight_int8pack_mm(x, out["w"], torch.ones(64, dtype=torch.bfloat16))
     torch.testing.assert_close(y.float(), (x.float() @ out["w"].float().t()), rtol=0.02, atol=0.5)
+
+
+def test_worker_quantize_option_quantizes_once_and_changes_the_fingerprint(tiny, tmp_path):
+    """--quantize int8 on a worker: the quantized checkpoint is written next to the compiled
+    models on first use and reused after; the model runs int8 layers; the fingerprint the KV
+    transfer is checked against differs from the unquantized worker's (no mixed pools)."""
+    from nxdi_common.serving import worker
+    path, _ = tiny
+    root = tmp_path / "compiled"
+    opts = worker.ModelOptions(str(path), "float32", 64, "eager", str(root), 1, "int8")
+    model = worker.load_model(opts, worker.decode_neuron_config(opts, 2, 16, 16))
+    qdir = worker.quantized_dir(opts)
+    assert qdir.is_dir() and qdir.parent == root
+    stamp = (qdir / "model.safetensors").stat().st_mtime_ns
+    assert isinstance(model._model.lm_head, QuantizedLinear)
+    again = worker.load_model(opts, worker.decode_neuron_config(opts, 2, 16, 16))
+    assert (qdir / "model.safetensors").stat().st_mtime_ns == stamp  # not written again
+    plain_opts = worker.ModelOptions(str(path), "float32", 64, "eager", str(root), 1)
+    plain = worker.load_model(plain_opts, worker.decode_neuron_config(plain_opts, 2, 16, 16))
+    assert not isinstance(plain._model.lm_head, QuantizedLinear)
+    assert worker.model_fingerprint(again, opts) != worker.model_fingerprint(plain, plain_opts)
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        worker.ModelOptions(str(path), quantize="int4")

@@ -29,7 +29,8 @@ BACKENDS = ("compiled", "eager")
 POLICIES = ("least-loaded", "round-robin", "prefix-affinity")
 # The options of each service's command line, as this launcher and deploy/ use them (tests check
 # the manifests against this); MODEL_FLAGS (worker.add_model_args) are common to all three.
-MODEL_FLAGS = ("--model", "--dtype", "--max-model-len", "--backend", "--compiled-root", "--threads")
+MODEL_FLAGS = ("--model", "--dtype", "--max-model-len", "--backend", "--compiled-root", "--threads",
+               "--quantize")
 SERVICE_FLAGS = {
     "prefill": ("--host", "--port", "--metrics-port", "--max-batch-size", "--ctx-batch-size"),
     "decode": ("--host", "--port", "--metrics-port", "--max-batch-size", "--kv-blocks",
@@ -55,6 +56,7 @@ class LaunchSpec:
     backend: str = "compiled"
     max_model_len: int = 2048
     compiled_root: str | None = None
+    quantize: str | None = None  # "int8" (worker.QUANTIZE) or None
     prefill_workers: int = 1
     decode_workers: int = 1
     host: str = "127.0.0.1"
@@ -73,6 +75,8 @@ class LaunchSpec:
     def __post_init__(self):
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("backend", self.backend, BACKENDS)
+        if self.quantize is not None:
+            _check_choice("quantize", self.quantize, ("int8",))
         _check_int("max_model_len", self.max_model_len, 2)
         _check_int("prefill_workers", self.prefill_workers, 0)
         _check_int("decode_workers", self.decode_workers, 1)
@@ -121,6 +125,8 @@ def model_args(spec: LaunchSpec, threads: int | None) -> list[str]:
         args += ["--model", str(spec.model)]
     if spec.compiled_root:
         args += ["--compiled-root", str(spec.compiled_root)]
+    if spec.quantize:
+        args += ["--quantize", spec.quantize]
     if threads is not None:
         args += ["--threads", str(threads)]
     return args
@@ -278,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--backend", choices=BACKENDS, default="compiled")
     g.add_argument("--compiled-root", help="folder for compiled models (default: in the cache)")
+    g.add_argument("--quantize", choices=("int8",), help="workers' weights as int8 per channel")
     g = p.add_argument_group("services")
     g.add_argument("--policy", choices=POLICIES, help="router's decode-worker policy")
     for role in ROLES:
@@ -299,7 +306,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     return LaunchSpec(
         model=args.model, dtype=args.dtype, backend=args.backend,
         max_model_len=args.max_model_len, compiled_root=args.compiled_root,
-        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        quantize=args.quantize, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         threads=args.threads, cpus=parse_cpus(args.cpus),
         prefill_args=shlex.split(args.prefill_args), decode_args=shlex.split(args.decode_args),
