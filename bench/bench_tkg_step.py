@@ -1,6 +1,7 @@
 """Token-generation step time of a decode worker's model by batch and context length.
 
     python bench/bench_tkg_step.py [--threads 1] [--batches 1 8 16] [--lengths 256 1024 2048]
+                                   [--quantize int8]
 
 Loads the bundled model as the decode worker does (block KV cache, bf16, compiled backend,
 max batch 16, 1024 blocks of 16 tokens) and times one TKG call for every (batch, length): every
@@ -34,8 +35,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
+    p.add_argument("--quantize", choices=("int8",), help="int8 weights, as --quantize on a worker")
     args = p.parse_args(argv)
-    opts = ModelOptions(threads=args.threads)
+    opts = ModelOptions(threads=args.threads, quantize=args.quantize)
     model = load_model(opts, decode_neuron_config(opts, MAX_BATCH, BLOCKS, BLOCK))
     with torch.no_grad():
         for batch in args.batches:

@@ -125,11 +125,11 @@ def aligned_int8(state_dict: dict) -> dict:
             for k, v in state_dict.items()}
 
 
-# Rows up to which the int8 kernel is used. Its cost grows with the rows (one thread, SmolLM2
-# shapes, per decode step: 18 ms at 1 row against 27 for the bf16 product, 24 vs 38 at 4, 72 vs 40
-# at 16); dequantizing the weight once per call and running the float GEMM costs two extra passes
-# over the weights (a 16-row decode step took 139 ms that way against 86 through the kernel,
-# two threads) but wins for prefill (a 512-token prompt was 5x slower through the kernel).
+# Rows up to which the int8 kernel is used. Its cost grows with the rows (one decode step's
+# products, one thread, bench/bench_projections.py: 17 ms at 1 row against 25 for bf16, 23 vs 37 at
+# 4, 70 vs 40 at 16); dequantizing the weight once per call and running the float GEMM costs two
+# extra passes over the weights (a 16-row decode step took 139 ms that way against 86 through the
+# kernel, two threads) but wins for prefill (a 512-token prompt was 5x slower through the kernel).
 INT8_KERNEL_MAX_ROWS = 32
 
 
