@@ -18,6 +18,7 @@ from pathlib import Path
 
 from nxdi_bench.arrivals import ARRIVAL_KINDS
 from nxdi_bench.client import LoadTarget
+from nxdi_common.bucketing import parse_buckets
 from nxdi_bench.metrics import SLO
 from nxdi_bench.runs import Runner, SweepSettings
 from nxdi_bench.workloads import WORKLOADS, PromptBuilder, get_workload
@@ -108,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compiled-root")
     g.add_argument("--quantize", choices=("int8",), help="our configurations' weights as int8 "
                    "(the peers serve the checkpoint's own dtype)")
+    g.add_argument("--context-buckets", type=parse_buckets, metavar="N,N,...",
+                   help="our workers' prompt-length buckets, ending at --max-model-len")
     g.add_argument("--cpus", help="comma-separated CPU ids every configuration shares "
                    "(default: the first two this process may use)")
     g.add_argument("--decode-max-batch-size", type=int, default=16)
@@ -225,6 +228,7 @@ def _compare_settings(args):
     serve = ServeSettings(model=args.model, gguf=args.gguf, dtype=args.dtype,
                           backend=args.backend, max_model_len=_max_model_len(args),
                           compiled_root=args.compiled_root, quantize=args.quantize,
+                          context_buckets=args.context_buckets,
                           decode_max_batch_size=args.decode_max_batch_size,
                           kv_blocks=args.kv_blocks)
     if args.cpus:

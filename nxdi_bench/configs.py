@@ -34,6 +34,7 @@ class ServeSettings:
     max_model_len: int = 2048
     compiled_root: str | None = None
     quantize: str | None = None         # ours only: "int8" weights
+    context_buckets: tuple[int, ...] | None = None  # ours only: CTE buckets
     cpus: list[int] = field(default_factory=lambda: _default_cpus())
     decode_max_batch_size: int = 16
     kv_blocks: int = 1024
@@ -49,6 +50,7 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
     decode_args = ["--max-batch-size", str(s.decode_max_batch_size), "--kv-blocks", str(s.kv_blocks)]
     common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
                   compiled_root=s.compiled_root, quantize=s.quantize, decode_args=decode_args,
+                  context_buckets=s.context_buckets,
                   startup_timeout_seconds=s.startup_timeout_s)
     if name == "disaggregated":
         cpus = {"prefill0": s.cpus[:1], "decode0": s.cpus[-1:]} if len(s.cpus) >= 2 else {}

@@ -13,6 +13,7 @@ Functions that take a ``neuron_config`` only read these attributes (via ``getatt
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -62,6 +63,15 @@ def _tkg_batch_size(nc: Any) -> int:
     """``tkg_batch_size``, defaulting to ``max_batch_size``."""
     value = getattr(nc, "tkg_batch_size", None)
     return value if value is not None else getattr(nc, "max_batch_size")
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    """"128,256,1024" -> (128, 256, 1024): a command-line bucket list (argparse `type=`)."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token counts, got {text!r}") from None
 
 
 def validate_buckets(buckets: Sequence[int], limit: int, field: str,

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from nxdi_common.bucketing import parse_buckets
 from nxdi_common.kv_transfer import ModelFingerprint
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class ModelOptions:
     compiled_root: str | None = None
     threads: int | None = None  # torch intra-op threads; None: torch's default
     quantize: str | None = None  # "int8": weights int8 per output channel; None: dtype weights
+    context_buckets: tuple[int, ...] | None = None  # CTE lengths; None: powers of two (NxD's)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -41,6 +43,14 @@ class ModelOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.quantize is not None and self.quantize not in QUANTIZE:
             raise ValueError(f"quantize must be one of {QUANTIZE} or unset, got {self.quantize!r}")
+        if self.context_buckets is not None:
+            from nxdi_common.bucketing import validate_buckets
+            validate_buckets(self.context_buckets, self.max_model_len, "context_buckets",
+                             "max_model_len")
+            if self.context_buckets[-1] != self.max_model_len:
+                raise ValueError(f"context_buckets must end at max_model_len "
+                                 f"({self.max_model_len}) so that every allowed prompt has a "
+                                 f"bucket; got {list(self.context_buckets)}")
 
     def model_dir(self) -> Path:
         if self.model:
@@ -67,6 +77,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=("compiled", "eager"), default="compiled")
     g.add_argument("--compiled-root", help="folder for compiled models (default: in the cache)")
     g.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    g.add_argument("--context-buckets", type=parse_buckets, metavar="N,N,...",
+                   help="prompt-length buckets for context encoding, ending at --max-model-len "
+                        "(default: powers of two from 128); denser buckets pad long prompts less")
     g.add_argument("--quantize", choices=QUANTIZE,
                    help="int8: weights quantized per output channel (written once, cached next "
                         "to the compiled models); faster decode at small batch, slightly less "
@@ -75,7 +88,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def model_options_from_args(args) -> ModelOptions:
     return ModelOptions(args.model, args.dtype, args.max_model_len, args.backend,
-                        args.compiled_root, args.threads, getattr(args, "quantize", None))
+                        args.compiled_root, args.threads, getattr(args, "quantize", None),
+                        getattr(args, "context_buckets", None))
+
 
 
 def prefill_neuron_config(opts: ModelOptions, max_batch_size: int, ctx_batch_size: int):
@@ -97,6 +112,8 @@ def _neuron_config(opts: ModelOptions, **kwargs):
     import torch
     from nxdi_common.config import NeuronConfig, OnDeviceSamplingConfig
     sampling = OnDeviceSamplingConfig(dynamic=True, do_sample=True)
+    if opts.context_buckets:
+        kwargs["context_encoding_buckets"] = list(opts.context_buckets)
     if opts.quantize:
         kwargs.update(quantized=True, quantization_dtype=opts.quantize,
                       quantization_type="per_channel_symmetric",

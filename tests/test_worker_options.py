@@ -1,0 +1,48 @@
+"""Worker model options that shape the compiled graphs: --context-buckets (explicit prompt-length
+buckets for context encoding) from the command line to the model's CTE sub-model, with bad lists
+refused naming the option."""
+import argparse
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from nxdi_common.serving import worker
+from nxdi_common.serving.launcher import LaunchSpec, model_args
+
+
+def _parse(*argv):
+    p = argparse.ArgumentParser()
+    worker.add_model_args(p)
+    return worker.model_options_from_args(p.parse_args(list(argv)))
+
+
+def test_context_buckets_reach_the_context_encoding_model(tmp_path):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                      max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    opts = _parse("--model", str(tmp_path / "ckpt"), "--dtype", "float32", "--max-model-len", "96",
+                  "--backend", "eager", "--context-buckets", "16,48,96")
+    assert opts.context_buckets == (16, 48, 96)
+    model = worker.load_model(opts, worker.prefill_neuron_config(opts, 2, 1))
+    assert model.context_encoding_model.length_buckets == [16, 48, 96]
+    out = model.forward(torch.randint(0, 64, (1, 40)))  # 40 tokens run in the 48 bucket
+    assert out.tokens.shape == (1,)
+
+
+def test_bad_context_buckets_name_the_option():
+    with pytest.raises(ValueError, match="context_buckets must end at max_model_len"):
+        worker.ModelOptions(max_model_len=512, context_buckets=(128, 256))
+    with pytest.raises(ValueError, match="context_buckets must be strictly increasing"):
+        worker.ModelOptions(max_model_len=512, context_buckets=(256, 128, 512))
+    with pytest.raises(SystemExit):
+        _parse("--context-buckets", "128,abc")
+
+
+def test_launcher_passes_context_buckets_and_quantize_to_every_service():
+    spec = LaunchSpec(max_model_len=512, context_buckets=(128, 384, 512), quantize="int8")
+    args = model_args(spec, threads=1)
+    assert args[args.index("--context-buckets") + 1] == "128,384,512"
+    assert args[args.index("--quantize") + 1] == "int8"
