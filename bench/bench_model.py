@@ -166,18 +166,11 @@ def main(argv=None) -> int:
     res["read_bandwidth_gbs"] = read_bandwidth_gbs()
     res["weight_bytes"] = weight_bytes(model_dir, dtype)
     res["bound_tok_s"] = res["read_bandwidth_gbs"] * 1e9 / res["weight_bytes"]
-    ours = {}
-    model, path1 = build_ours(model_dir, dtype, 1, compiled_root)
-    ours["prefill_tok_s"] = ours_prefill(model)
-    ours["decode_b1_tok_s"] = max(ours_decode(model, 1) for _ in range(2))
-    del model
-    model, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root)
-    ours[f"decode_b{BIG_BATCH}_tok_s"] = ours_decode(model, BIG_BATCH)
-    del model
+    ours, path1 = speed_figures(model_dir, dtype, compiled_root)
     ours.update(load_memory(model_dir, path1))
     res["nxdi"] = ours
     if args.int8:
-        res["nxdi_int8"] = int8_figures(model_dir, dtype, compiled_root)
+        res["nxdi_int8"] = speed_figures(model_dir, dtype, compiled_root, int8=True)[0]
     if not args.skip_hf:
         res["transformers"] = hf_figures(model_dir, dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -186,14 +179,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def int8_figures(model_dir: str, dtype, compiled_root: Path) -> dict:
-    model, _ = build_ours(model_dir, dtype, 1, compiled_root, int8=True)
+def speed_figures(model_dir: str, dtype, compiled_root: Path, int8: bool = False):
+    """(prefill and decode tokens/s, the batch-1 compiled folder) of our model."""
+    model, path1 = build_ours(model_dir, dtype, 1, compiled_root, int8)
     out = {"prefill_tok_s": ours_prefill(model),
            "decode_b1_tok_s": max(ours_decode(model, 1) for _ in range(2))}
     del model
-    model, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root, int8=True)
+    model, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root, int8)
     out[f"decode_b{BIG_BATCH}_tok_s"] = ours_decode(model, BIG_BATCH)
-    return out
+    return out, path1
 
 
 def markdown(res: dict) -> str:

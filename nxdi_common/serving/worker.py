@@ -6,12 +6,13 @@ a decode worker runs token generation (TKG) over a block KV cache (and CTE for l
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from nxdi_common.bucketing import parse_buckets
+from nxdi_common.bucketing import parse_buckets, validate_buckets
 from nxdi_common.kv_transfer import ModelFingerprint
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,6 @@ class ModelOptions:
         if self.quantize is not None and self.quantize not in QUANTIZE:
             raise ValueError(f"quantize must be one of {QUANTIZE} or unset, got {self.quantize!r}")
         if self.context_buckets is not None:
-            from nxdi_common.bucketing import validate_buckets
             validate_buckets(self.context_buckets, self.max_model_len, "context_buckets",
                              "max_model_len")
             if self.context_buckets[-1] != self.max_model_len:
@@ -171,11 +171,20 @@ def load_tokenizer(opts: ModelOptions):
 
 
 def weights_hash(model_dir: Path) -> str:
-    """sha256 over the checkpoint's weight files (names, then contents), hex."""
-    h = hashlib.sha256()
+    """sha256 over the checkpoint's weight files (names, then contents), hex. Computed once per
+    process for the same files (a worker asks for it for its quantized folder and its
+    fingerprint; it reads every weight byte)."""
     files = sorted(p for p in Path(model_dir).iterdir()
                    if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file())
-    for path in files:
+    return _hash_files(tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+@functools.lru_cache(maxsize=8)
+def _hash_files(files: tuple[tuple[str, int, int], ...]) -> str:
+    """sha256 of (name, contents) per file; keyed by path, size and mtime."""
+    h = hashlib.sha256()
+    for name, _, _ in files:
+        path = Path(name)
         h.update(path.name.encode())
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 22), b""):
