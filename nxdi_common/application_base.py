@@ -17,6 +17,7 @@ from nxdi_common.backends.cpu import EagerBackend
 from nxdi_common.backends.weights import unique_parameters, weights_tuple
 from nxdi_common.config import CONFIG_FILE, InferenceConfig, load_pretrained_config
 from nxdi_common.modules import quantization
+from nxdi_common.modules.linear import ONEDNN, PLAIN, onednn_unavailable_reason, pack_linear_weights
 
 MANIFEST = "nxdi_manifest.json"
 SHARDED_WEIGHTS = Path("weights") / "tp0_sharded_checkpoint.safetensors"
@@ -51,6 +52,7 @@ class NeuronApplicationBase(nn.Module):
         self.backend = None
         self._model = None
         self.weights: tuple = ()
+        self.weight_layout = PLAIN  # of the linear weights: PLAIN or ONEDNN (modules/linear.py)
         self.compile_cache = CompileCache(enabled=True)
 
     @classmethod
@@ -172,10 +174,33 @@ class NeuronApplicationBase(nn.Module):
             sd = self.get_state_dict(self.model_path, self.config)
         self._build_model(sd)
 
+    def resolve_weight_layout(self, backend_name: str) -> str:
+        """The linear weights' layout for a backend: ONEDNN on the CPU backends when
+        neuron_config.cpu_weight_layout asks for it ("auto": for bfloat16 where oneDNN runs)."""
+        nc = self.neuron_config
+        if backend_name not in ("cpu", EagerBackend.name) or nc.cpu_weight_layout == PLAIN:
+            return PLAIN
+        reason = onednn_unavailable_reason(nc.torch_dtype)
+        if nc.cpu_weight_layout == "auto":
+            return ONEDNN if nc.torch_dtype == torch.bfloat16 and reason is None else PLAIN
+        if reason is not None:
+            raise ValueError(f"cpu_weight_layout 'onednn' cannot be used: {reason}; "
+                             "use 'auto' or 'plain'")
+        return ONEDNN
+
+    def _apply_weight_layout(self, layout: str) -> None:
+        """Pack the loaded model's linear weights when layout is ONEDNN (done after the plain
+        weights are saved anywhere: packed tensors are never written)."""
+        if layout == ONEDNN and self.weight_layout != ONEDNN:
+            pack_linear_weights(self._model)
+            self.weights = weights_tuple(self._model)
+        self.weight_layout = layout
+
     # -- life cycle ----------------------------------------------------------------------------
     def to_cpu(self) -> None:
         """Run entirely on CPU, eagerly (no tracing)."""
         self.load_weights(None)
+        self._apply_weight_layout(self.resolve_weight_layout(EagerBackend.name))
         self.backend = EagerBackend()
         for wrapper in self.models:
             wrapper.runnables = {k: wrapper.graph_fn(k[1], weights_as_inputs=False)
@@ -201,13 +226,19 @@ class NeuronApplicationBase(nn.Module):
 
     def _compile_into(self, path: Path) -> None:
         backend = get_backend(self.neuron_config.backend)
-        if self._model is None:
-            self.load_weights(None)
+        layout = self.resolve_weight_layout(backend.name)
+        if self._model is None or self.weight_layout != PLAIN:
+            self.load_weights(None)  # plain weights: the sharded checkpoint is written from them
+            self.weight_layout = PLAIN
+        if self.neuron_config.save_sharded_checkpoint:
+            self.shard_weights(path)
+        self._apply_weight_layout(layout)
         kv_cache = self._model.kv_mgr.allocate()
         manifest = {"backend": backend.name, "backend_version": backend.version,
+                    "weight_layout": layout,
                     "weights": [n for n, _ in unique_parameters(self._model)], "artifacts": {}}
         common = dict(config_json=self.config.to_json_string(), backend_version=backend.version,
-                      code=code_fingerprint())
+                      code=code_fingerprint(), weight_layout=layout)
         for wrapper in self.models:
             for key, example in zip(wrapper.bucket_keys(), wrapper.input_generator()):
                 rel = f"{wrapper.tag}/b{key[0]}_n{key[1]}{backend.artifact_suffix}"
@@ -220,8 +251,6 @@ class NeuronApplicationBase(nn.Module):
                     self.compile_cache.store(ck, backend.artifact_suffix, dest)
                 manifest["artifacts"].setdefault(wrapper.tag, {})[f"{key[0]}x{key[1]}"] = rel
         self.config.save(str(path))
-        if self.neuron_config.save_sharded_checkpoint:
-            self.shard_weights(path)
         (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
         self.backend = backend
 
@@ -234,7 +263,14 @@ class NeuronApplicationBase(nn.Module):
         manifest = json.loads((path / MANIFEST).read_text())
         self._check_compiled_config(path)
         backend = get_backend(manifest["backend"])
+        compiled_layout = manifest.get("weight_layout", PLAIN)
+        layout = self.resolve_weight_layout(backend.name)
+        if layout != compiled_layout:
+            raise ValueError(f"{path} was compiled for {compiled_layout!r} linear weights but "
+                             f"this model resolves cpu_weight_layout to {layout!r}; compile again")
         self.load_weights(path)
+        self.weight_layout = PLAIN
+        self._apply_weight_layout(layout)
         names = [n for n, _ in unique_parameters(self._model)]
         if names != manifest["weights"]:
             raise ValueError(f"{path} was compiled for a different model layout; compile again")

@@ -101,6 +101,9 @@ class NeuronConfig(ConfigBase):
     skip_warmup: bool = False
     scratchpad_page_size: Optional[int] = None
     backend: str = "auto"  # extension: "auto" | "cpu" | "neuron", the target of compile()
+    # extension: linear weights on the CPU backends: "onednn" (packed once at load into oneDNN's
+    # blocked layout), "plain", or "auto" (onednn for bfloat16 where oneDNN runs, else plain)
+    cpu_weight_layout: str = "auto"
     # Distributed
     tp_degree: int = 1
     # Attention
@@ -216,6 +219,7 @@ class NeuronConfig(ConfigBase):
         check_choice("quantization_type", self.quantization_type,
                      ("per_tensor_symmetric", "per_channel_symmetric"))
         check_choice("backend", self.backend, ("auto", "cpu", "neuron"))
+        check_choice("cpu_weight_layout", self.cpu_weight_layout, ("auto", "plain", "onednn"))
 
     def _validate_kernels(self) -> None:
         bf16 = self.torch_dtype == torch.bfloat16

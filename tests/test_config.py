@@ -48,6 +48,7 @@ LIBRARY_DEFAULTS = {
     "is_block_kv_layout": False, "pa_num_blocks": None, "pa_block_size": None,
     "is_prefix_caching": False, "prefix_buckets": None, "token_generation_batch_buckets": None,
     "trace_tokengen_model": True, "is_eagle_draft": False, "backend": "auto",
+    "cpu_weight_layout": "auto",
 }
 
 
@@ -194,6 +195,7 @@ INVALID = [
     (dict(quantization_dtype="int4"), "quantization_dtype"),
     (dict(quantization_type="per_group"), "quantization_type"),
     (dict(backend="cuda"), "backend"),
+    (dict(cpu_weight_layout="packed"), "cpu_weight_layout"),
     (dict(sequence_parallel_enabled=True, tp_degree=3), "max_context_length"),
     (dict(context_encoding_buckets=[64]), "enable_bucketing"),
     (dict(enable_bucketing=True, context_encoding_buckets=[]), "context_encoding_buckets"),

@@ -47,6 +47,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
+from nxdi_common.application_base import SHARDED_WEIGHTS
 from nxdi_common.checkpoint import detect_checkpoint_format, save_state_dict
 from nxdi_common.config import NeuronConfig, OnDeviceSamplingConfig, load_pretrained_config
 from nxdi_common.generation import HuggingFaceGenerationAdapter
@@ -284,6 +285,45 @@ def test_logits_match_transformers_batch3(zoo, tmp_path, name, fmt, backend):
         refs = zoo.reference(name, lengths)
         assert_matches(run(model, zoo.prompts(name, lengths), refs), refs, what=f"{name} {lengths}")
     assert used == {"context_encoding_model": {16, 32}, "token_generation_model": {32, 64}}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,fmt,extra", [
+    ("gqa_tied", "safetensors", {}), ("llama_attn_bias", "pickle", {}),
+    ("qwen3_qknorm", "safetensors-sharded", {}), ("gqa_tied", "safetensors", {"fused_qkv": True})],
+    ids=["gqa_tied", "llama_attn_bias", "qwen3_qknorm", "gqa_tied-fused_qkv"])
+def test_onednn_packed_weights_match_transformers(zoo, tmp_path, name, fmt, extra, backend):
+    """cpu_weight_layout='onednn' (the bf16 default; forced here in fp32): every projection and
+    the LM head multiply oneDNN-packed weights, and the logits still match at batch 3."""
+    model = build(zoo.checkpoint(name, fmt), backend, tmp_path, cpu_weight_layout="onednn", **extra)
+    assert model.weight_layout == "onednn"
+    linears = [m for m in model._model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.is_mkldnn for m in linears)
+    assert not model._model.embed_tokens.weight.is_mkldnn  # a tied embedding keeps its own copy
+    if backend == "compiled":  # no plain view left pinning the mapped weights next to the packed
+        assert str(tmp_path / "compiled" / SHARDED_WEIGHTS) not in Path("/proc/self/maps").read_text()
+    for lengths in (PROMPT_LENS, SHORT_LENS):
+        refs = zoo.reference(name, lengths)
+        assert_matches(run(model, zoo.prompts(name, lengths), refs), refs, what=f"{name} {lengths}")
+
+
+def test_weight_layout_is_part_of_the_compiled_model(zoo, tmp_path):
+    """A folder compiled with plain weights is refused by a model that resolves to packed ones
+    (its graphs call the other product), with the reason; the plain config loads it."""
+    ckpt = zoo.checkpoint("gqa_tied", "safetensors")
+    build(ckpt, "compiled", tmp_path, cpu_weight_layout="plain")
+    manifest = json.loads((tmp_path / "compiled" / "nxdi_manifest.json").read_text())
+    assert manifest["weight_layout"] == "plain"
+
+    def app(layout):
+        config = LlamaInferenceConfig(neuron_config(cpu_weight_layout=layout),
+                                      load_config=load_pretrained_config(ckpt))
+        return NeuronLlamaForCausalLM(ckpt, config)
+    with pytest.raises(ValueError, match="compiled for 'plain' linear weights"):
+        app("onednn").load(tmp_path / "compiled")
+    with pytest.raises(ValueError, match="cpu_weight_layout must be one of"):
+        neuron_config(cpu_weight_layout="packed")
+    app("plain").load(tmp_path / "compiled")
 
 
 @pytest.mark.parametrize("name,fmt", CASES, ids=[f"{n}-{f}" for n, f in CASES])

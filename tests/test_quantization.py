@@ -126,16 +126,19 @@ def _dequantized_reference(hf_model, quant_sd: dict):
     return ref
 
 
-@pytest.mark.parametrize("qtype,where,backend,fused", [
-    ("per_channel_symmetric", "folder", "eager", False),
-    ("per_channel_symmetric", "folder", "compiled", True),
-    ("per_tensor_symmetric", "file.pt", "compiled", True),  # per-q/k/v scales, fused into rows
+@pytest.mark.parametrize("qtype,where,backend,fused,layout", [
+    ("per_channel_symmetric", "folder", "eager", False, "plain"),
+    ("per_channel_symmetric", "folder", "compiled", True, "plain"),
+    ("per_tensor_symmetric", "file.pt", "compiled", True, "plain"),  # per-q/k/v scales, fused
+    # packed dequantized copies: prefill (16 rows) runs them, decode (1 row) the int8 kernel
+    ("per_channel_symmetric", "folder", "eager", False, "onednn"),
+    ("per_tensor_symmetric", "folder", "compiled", True, "onednn"),
 ])
 def test_quantized_logits_equal_the_dequantized_reference(tiny, tmp_path, qtype, where, backend,
-                                                          fused):
+                                                          fused, layout):
     path, hf = tiny
     quant_path = tmp_path / ("quantized" if where == "folder" else "quantized.pt")
-    kw = dict(quantization_type=qtype, fused_qkv=fused)
+    kw = dict(quantization_type=qtype, fused_qkv=fused, cpu_weight_layout=layout)
     config = _config(path, quant_path, **kw)
     NeuronLlamaForCausalLM.save_quantized_state_dict(path, config)
     assert quant_path.is_dir() == (where == "folder") and quant_path.exists()
@@ -154,6 +157,8 @@ def test_quantized_logits_equal_the_dequantized_reference(tiny, tmp_path, qtype,
     assert isinstance(attn.qkv_proj if fused else attn.k_proj, QuantizedLinear)
     assert isinstance(model._model.lm_head, QuantizedLinear)
     assert any(w.dtype == torch.int8 for w in model.weights)
+    assert (model._model.lm_head.packed is not None) == (layout == "onednn")
+    assert model.weight_layout == layout
 
     seq = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
     out = model(seq)

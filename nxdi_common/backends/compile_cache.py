@@ -30,10 +30,10 @@ def code_fingerprint() -> str:
 
 
 def cache_key(*, config_json: str, tag: str, bucket: tuple, backend_version: str,
-              compiler_args, code: str) -> str:
+              compiler_args, code: str, weight_layout: str = "plain") -> str:
     payload = json.dumps({"config": config_json, "tag": tag, "bucket": list(bucket),
                           "backend": backend_version, "compiler_args": compiler_args,
-                          "code": code}, sort_keys=True)
+                          "code": code, "weight_layout": weight_layout}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdi_common.modules.linear import Linear
+from nxdi_common.modules.linear import Linear, onednn_ops, pack_weight
 
 INT8_MAX = 127
 # Projections a Llama-family decoder quantizes; q/k/v and gate/up are fused in the model, so
@@ -126,16 +126,20 @@ def aligned_int8(state_dict: dict) -> dict:
 
 
 # Rows up to which the int8 kernel is used. Its cost grows with the rows (one decode step's
-# products, one thread, bench/bench_projections.py: 17 ms at 1 row against 25 for bf16, 23 vs 37 at
-# 4, 70 vs 40 at 16); dequantizing the weight once per call and running the float GEMM costs two
-# extra passes over the weights (a 16-row decode step took 139 ms that way against 86 through the
-# kernel, two threads) but wins for prefill (a 512-token prompt was 5x slower through the kernel).
+# products, one thread, bench/bench_projections.py: 19 ms at 1 row, 25 at 4, 43 at 8, 72 at 16),
+# while a bf16 product with oneDNN-packed weights costs 25-26 ms at any of those rows. So with a
+# packed copy (pack(), the CPU default) rows above 4 go through it. Without one, the weight is
+# dequantized on every call above 32 rows: two extra passes over the weights, which lose for
+# decode (139 against 86 ms for a 16-row step, two threads) but win for prefill (a 512-token
+# prompt was 5x slower through the kernel).
+INT8_KERNEL_MAX_ROWS_PACKED = 4
 INT8_KERNEL_MAX_ROWS = 32
 
 
 class QuantizedLinear(nn.Module):
     """A linear layer with an int8 weight [out, in] and one scale per output row (in the compute
-    dtype, as the kernel wants it)."""
+    dtype, as the kernel wants it). `pack()` adds `packed`, the dequantized weight in oneDNN's
+    layout, for products of many rows (it costs the memory of a bf16 copy)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device=None):
         super().__init__()
@@ -146,9 +150,21 @@ class QuantizedLinear(nn.Module):
                                   requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
+        self.register_parameter("packed", None)
+
+    def pack(self) -> int:
+        """Add the oneDNN-packed dequantized weight (once); returns 1 when it was added."""
+        if self.packed is not None:
+            return 0
+        dense = dequantize(self.weight, self.scale).to(self.scale.dtype)
+        self.packed = nn.Parameter(pack_weight(dense), requires_grad=False)
+        return 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // self.in_features > INT8_KERNEL_MAX_ROWS:  # static per traced bucket
+        rows = x.numel() // self.in_features  # static per traced bucket
+        if self.packed is not None and rows > INT8_KERNEL_MAX_ROWS_PACKED:
+            return onednn_ops()[0](x, self.packed, self.bias)
+        if self.packed is None and rows > INT8_KERNEL_MAX_ROWS:
             weight = self.weight.to(x.dtype) * self.scale.unsqueeze(1)
             return F.linear(x, weight, self.bias)
         y = torch.ops.aten._weight_int8pack_mm(x.flatten(0, -2), self.weight, self.scale)
@@ -157,6 +173,9 @@ class QuantizedLinear(nn.Module):
         return y.view(list(x.shape[:-1]) + [self.out_features]) if x.dim() != 2 else y
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.packed is not None and self.bias is None and rows > INT8_KERNEL_MAX_ROWS_PACKED:
+            return onednn_ops()[1](x, residual, self.packed)
         return residual + self(x)
 
 
