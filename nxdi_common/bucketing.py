@@ -53,6 +53,20 @@ def generate_buckets(min_length: int, max_length: int) -> list[int]:
     return buckets
 
 
+def quartered_buckets(min_length: int, max_length: int, quarter_from: int = 1024) -> list[int]:
+    """Powers of two from ``min_length``; from ``quarter_from`` up, every doubling is split into
+    four equal steps, so a prompt longer than ``quarter_from`` is padded by at most 25%; ends at
+    ``max_length``. ``quartered_buckets(128, 2048) == [128, 256, 512, 1024, 1280, 1536, 1792,
+    2048]`` (NxD's powers of two would pad a 1025-token prompt to 2048)."""
+    buckets = []
+    for size in generate_buckets(min_length, max_length):
+        if buckets and buckets[-1] >= quarter_from:
+            step = buckets[-1] // 4
+            buckets += [b for b in range(buckets[-1] + step, size, step)]
+        buckets.append(size)
+    return buckets
+
+
 def _max_context_length(nc: Any) -> int:
     """``max_context_length``, defaulting to ``seq_len`` as NeuronConfig does."""
     value = getattr(nc, "max_context_length", None)

@@ -12,6 +12,7 @@ from nxdi_common.bucketing import (
     pad_to_bucket,
     prefix_caching_bucket_grid,
     prefix_caching_buckets,
+    quartered_buckets,
     select_bucket,
     select_prefix_caching_bucket,
     token_generation_batch_buckets,
@@ -39,6 +40,20 @@ def config(**overrides):
 ])
 def test_generate_buckets_exact(max_length, expected):
     assert generate_buckets(128, max_length) == expected
+
+
+@pytest.mark.parametrize("max_length, expected", [
+    (512, [128, 256, 512]),
+    (1000, [128, 256, 512, 1000]),
+    (1500, [128, 256, 512, 1024, 1280, 1500]),
+    (2048, [128, 256, 512, 1024, 1280, 1536, 1792, 2048]),
+    (4096, [128, 256, 512, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096]),
+])
+def test_quartered_buckets_pad_long_prompts_by_at_most_a_quarter(max_length, expected):
+    buckets = quartered_buckets(128, max_length)
+    assert buckets == expected
+    for n in range(1025, max_length + 1):  # past 1024: the chosen bucket is < 1.25 n
+        assert select_bucket(n, buckets) < 1.25 * n
 
 
 def test_generate_buckets_max_not_above_min():

@@ -58,7 +58,7 @@ class LaunchSpec:
     max_model_len: int = 2048
     compiled_root: str | None = None
     quantize: str | None = None  # "int8" (worker.QUANTIZE) or None
-    context_buckets: tuple[int, ...] | None = None  # workers' CTE buckets (None: powers of two)
+    context_buckets: tuple[int, ...] | None = None  # workers' CTE buckets (None: worker default)
     prefill_workers: int = 1
     decode_workers: int = 1
     host: str = "127.0.0.1"

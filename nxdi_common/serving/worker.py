@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from nxdi_common.bucketing import parse_buckets, validate_buckets
+from nxdi_common.bucketing import parse_buckets, quartered_buckets, validate_buckets
 from nxdi_common.kv_transfer import ModelFingerprint
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class ModelOptions:
     compiled_root: str | None = None
     threads: int | None = None  # torch intra-op threads; None: torch's default
     quantize: str | None = None  # "int8": weights int8 per output channel; None: dtype weights
-    context_buckets: tuple[int, ...] | None = None  # CTE lengths; None: powers of two (NxD's)
+    context_buckets: tuple[int, ...] | None = None  # CTE lengths; None: quartered_buckets()
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -79,7 +79,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     g.add_argument("--context-buckets", type=parse_buckets, metavar="N,N,...",
                    help="prompt-length buckets for context encoding, ending at --max-model-len "
-                        "(default: powers of two from 128); denser buckets pad long prompts less")
+                        "(default: powers of two from 128 to 1024, then quarter steps: "
+                        "128,256,512,1024,1280,1536,1792,2048 for 2048); denser buckets pad long "
+                        "prompts less and take longer to compile and warm up")
     g.add_argument("--quantize", choices=QUANTIZE,
                    help="int8: weights quantized per output channel (written once, cached next "
                         "to the compiled models); faster decode at small batch, slightly less "
@@ -112,8 +114,10 @@ def _neuron_config(opts: ModelOptions, **kwargs):
     import torch
     from nxdi_common.config import NeuronConfig, OnDeviceSamplingConfig
     sampling = OnDeviceSamplingConfig(dynamic=True, do_sample=True)
-    if opts.context_buckets:
-        kwargs["context_encoding_buckets"] = list(opts.context_buckets)
+    # A prompt pads to its bucket: past 1024 tokens, quarter steps keep that under 25% (powers of
+    # two would run a 1025-token prompt as 2048, twice the prefill time).
+    kwargs["context_encoding_buckets"] = list(opts.context_buckets or
+                                              quartered_buckets(128, opts.max_model_len))
     if opts.quantize:
         kwargs.update(quantized=True, quantization_dtype=opts.quantize,
                       quantization_type="per_channel_symmetric",
