@@ -326,6 +326,25 @@ def test_weight_layout_is_part_of_the_compiled_model(zoo, tmp_path):
     app("plain").load(tmp_path / "compiled")
 
 
+def test_compile_after_to_cpu_writes_plain_weights(zoo, tmp_path):
+    """An application already packed by to_cpu() compiles from the plain weights (packed tensors
+    are never written) and the folder loads elsewhere and gives the same logits."""
+    ckpt = zoo.checkpoint("gqa_tied", "safetensors")
+
+    def app():
+        return NeuronLlamaForCausalLM(ckpt, LlamaInferenceConfig(
+            neuron_config(cpu_weight_layout="onednn"), load_config=load_pretrained_config(ckpt)))
+    eager = app()
+    eager.to_cpu()
+    eager.compile(tmp_path / "compiled")
+    loaded = app()
+    loaded.load(tmp_path / "compiled")
+    refs = zoo.reference("gqa_tied", PROMPT_LENS)
+    prompts = zoo.prompts("gqa_tied", PROMPT_LENS)
+    assert_matches(run(loaded, prompts, refs), refs, what="compiled after to_cpu")
+    assert_matches(run(eager, prompts, refs), refs, what="eager after compile")
+
+
 @pytest.mark.parametrize("name,fmt", CASES, ids=[f"{n}-{f}" for n, f in CASES])
 def test_checkpoints_are_in_the_claimed_format(zoo, name, fmt):
     path = zoo.checkpoint(name, fmt)
