@@ -13,7 +13,7 @@ from torch import nn
 from nxdi_common import checkpoint
 from nxdi_common.backends import get_backend
 from nxdi_common.backends.compile_cache import CompileCache, cache_key, code_fingerprint
-from nxdi_common.backends.cpu import EagerBackend
+from nxdi_common.backends.cpu import EagerBackend, TracedCPUBackend
 from nxdi_common.backends.weights import unique_parameters, weights_tuple
 from nxdi_common.config import CONFIG_FILE, InferenceConfig, load_pretrained_config
 from nxdi_common.modules import quantization
@@ -150,6 +150,7 @@ class NeuronApplicationBase(nn.Module):
                              "check config.json (hidden_size, intermediate_size, heads, vocab_size)")
         model.load_state_dict(state_dict, strict=True, assign=True)
         self._model = model.eval()
+        self.weight_layout = PLAIN  # as loaded; _apply_weight_layout packs
         for wrapper in self.models:
             wrapper.model = model
         self.weights = weights_tuple(model)
@@ -178,7 +179,8 @@ class NeuronApplicationBase(nn.Module):
         """The linear weights' layout for a backend: ONEDNN on the CPU backends when
         neuron_config.cpu_weight_layout asks for it ("auto": for bfloat16 where oneDNN runs)."""
         nc = self.neuron_config
-        if backend_name not in ("cpu", EagerBackend.name) or nc.cpu_weight_layout == PLAIN:
+        if backend_name not in (TracedCPUBackend.name, EagerBackend.name) or \
+                nc.cpu_weight_layout == PLAIN:
             return PLAIN
         reason = onednn_unavailable_reason(nc.torch_dtype)
         if nc.cpu_weight_layout == "auto":
@@ -229,7 +231,6 @@ class NeuronApplicationBase(nn.Module):
         layout = self.resolve_weight_layout(backend.name)
         if self._model is None or self.weight_layout != PLAIN:
             self.load_weights(None)  # plain weights: the sharded checkpoint is written from them
-            self.weight_layout = PLAIN
         if self.neuron_config.save_sharded_checkpoint:
             self.shard_weights(path)
         self._apply_weight_layout(layout)
@@ -269,7 +270,6 @@ class NeuronApplicationBase(nn.Module):
             raise ValueError(f"{path} was compiled for {compiled_layout!r} linear weights but "
                              f"this model resolves cpu_weight_layout to {layout!r}; compile again")
         self.load_weights(path)
-        self.weight_layout = PLAIN
         self._apply_weight_layout(layout)
         names = [n for n, _ in unique_parameters(self._model)]
         if names != manifest["weights"]:

@@ -160,11 +160,14 @@ class QuantizedLinear(nn.Module):
         self.packed = nn.Parameter(pack_weight(dense), requires_grad=False)
         return 1
 
+    def _use_packed(self, x: torch.Tensor) -> bool:
+        """Rows past the int8 kernel's range go to the packed copy (static per traced bucket)."""
+        return self.packed is not None and x.numel() // self.in_features > INT8_KERNEL_MAX_ROWS_PACKED
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features  # static per traced bucket
-        if self.packed is not None and rows > INT8_KERNEL_MAX_ROWS_PACKED:
+        if self._use_packed(x):
             return onednn_ops()[0](x, self.packed, self.bias)
-        if self.packed is None and rows > INT8_KERNEL_MAX_ROWS:
+        if self.packed is None and x.numel() // self.in_features > INT8_KERNEL_MAX_ROWS:
             weight = self.weight.to(x.dtype) * self.scale.unsqueeze(1)
             return F.linear(x, weight, self.bias)
         y = torch.ops.aten._weight_int8pack_mm(x.flatten(0, -2), self.weight, self.scale)
@@ -173,8 +176,7 @@ class QuantizedLinear(nn.Module):
         return y.view(list(x.shape[:-1]) + [self.out_features]) if x.dim() != 2 else y
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if self.packed is not None and self.bias is None and rows > INT8_KERNEL_MAX_ROWS_PACKED:
+        if self.bias is None and self._use_packed(x):
             return onednn_ops()[1](x, residual, self.packed)
         return residual + self(x)
 
