@@ -16,6 +16,7 @@ from nxdi_common.backends.compile_cache import CompileCache, cache_key, code_fin
 from nxdi_common.backends.cpu import EagerBackend, TracedCPUBackend
 from nxdi_common.backends.weights import unique_parameters, weights_tuple
 from nxdi_common.config import CONFIG_FILE, InferenceConfig, load_pretrained_config
+from nxdi_common.kernels import PAGED, SDPA, paged_attention, paged_attention_unavailable_reason
 from nxdi_common.modules import quantization
 from nxdi_common.modules.linear import ONEDNN, PLAIN, onednn_unavailable_reason, pack_linear_weights
 
@@ -53,6 +54,7 @@ class NeuronApplicationBase(nn.Module):
         self._model = None
         self.weights: tuple = ()
         self.weight_layout = PLAIN  # of the linear weights: PLAIN or ONEDNN (modules/linear.py)
+        self.attention_kernel = SDPA  # of token generation: SDPA or PAGED (kernels/)
         self.compile_cache = CompileCache(enabled=True)
 
     @classmethod
@@ -198,11 +200,32 @@ class NeuronApplicationBase(nn.Module):
             self.weights = weights_tuple(self._model)
         self.weight_layout = layout
 
+    def resolve_attention_kernel(self, backend_name: str) -> str:
+        """Token generation's attention for a backend: PAGED (the C++ kernel reading the block
+        cache in place) on the CPU backends with the block KV layout when
+        neuron_config.cpu_attention_kernel asks for it ("auto": where the kernel builds)."""
+        nc = self.neuron_config
+        if backend_name not in (TracedCPUBackend.name, EagerBackend.name) or \
+                nc.cpu_attention_kernel == SDPA or not nc.is_block_kv_layout:
+            return SDPA
+        reason = paged_attention_unavailable_reason()
+        if reason is None:
+            return PAGED
+        if nc.cpu_attention_kernel == PAGED:
+            raise ValueError(f"cpu_attention_kernel 'paged' cannot be used: {reason}; "
+                             "use 'auto' or 'sdpa'")
+        return SDPA
+
+    def _apply_attention_kernel(self, kernel: str) -> None:
+        self._model.kv_mgr.paged_attention = paged_attention() if kernel == PAGED else None
+        self.attention_kernel = kernel
+
     # -- life cycle ----------------------------------------------------------------------------
     def to_cpu(self) -> None:
         """Run entirely on CPU, eagerly (no tracing)."""
         self.load_weights(None)
         self._apply_weight_layout(self.resolve_weight_layout(EagerBackend.name))
+        self._apply_attention_kernel(self.resolve_attention_kernel(EagerBackend.name))
         self.backend = EagerBackend()
         for wrapper in self.models:
             wrapper.runnables = {k: wrapper.graph_fn(k[1], weights_as_inputs=False)
@@ -229,17 +252,19 @@ class NeuronApplicationBase(nn.Module):
     def _compile_into(self, path: Path) -> None:
         backend = get_backend(self.neuron_config.backend)
         layout = self.resolve_weight_layout(backend.name)
+        kernel = self.resolve_attention_kernel(backend.name)
         if self._model is None or self.weight_layout != PLAIN:
             self.load_weights(None)  # plain weights: the sharded checkpoint is written from them
         if self.neuron_config.save_sharded_checkpoint:
             self.shard_weights(path)
         self._apply_weight_layout(layout)
+        self._apply_attention_kernel(kernel)
         kv_cache = self._model.kv_mgr.allocate()
         manifest = {"backend": backend.name, "backend_version": backend.version,
-                    "weight_layout": layout,
+                    "weight_layout": layout, "attention_kernel": kernel,
                     "weights": [n for n, _ in unique_parameters(self._model)], "artifacts": {}}
         common = dict(config_json=self.config.to_json_string(), backend_version=backend.version,
-                      code=code_fingerprint(), weight_layout=layout)
+                      code=code_fingerprint(), weight_layout=layout, attention_kernel=kernel)
         for wrapper in self.models:
             for key, example in zip(wrapper.bucket_keys(), wrapper.input_generator()):
                 rel = f"{wrapper.tag}/b{key[0]}_n{key[1]}{backend.artifact_suffix}"
@@ -269,8 +294,15 @@ class NeuronApplicationBase(nn.Module):
         if layout != compiled_layout:
             raise ValueError(f"{path} was compiled for {compiled_layout!r} linear weights but "
                              f"this model resolves cpu_weight_layout to {layout!r}; compile again")
+        compiled_kernel = manifest.get("attention_kernel", SDPA)
+        kernel = self.resolve_attention_kernel(backend.name)
+        if kernel != compiled_kernel:
+            raise ValueError(f"{path} was compiled for {compiled_kernel!r} token-generation "
+                             f"attention but this model resolves cpu_attention_kernel to "
+                             f"{kernel!r}; compile again")
         self.load_weights(path)
         self._apply_weight_layout(layout)
+        self._apply_attention_kernel(kernel)  # loads the kernel library the graphs call
         names = [n for n, _ in unique_parameters(self._model)]
         if names != manifest["weights"]:
             raise ValueError(f"{path} was compiled for a different model layout; compile again")

@@ -104,6 +104,11 @@ class NeuronConfig(ConfigBase):
     # extension: linear weights on the CPU backends: "onednn" (packed once at load into oneDNN's
     # blocked layout), "plain", or "auto" (onednn for bfloat16 where oneDNN runs, else plain)
     cpu_weight_layout: str = "auto"
+    # extension: token-generation attention on the CPU backends with the block KV layout: "paged"
+    # (our C++ kernel reads each row's own blocks in place, nxdi_common/kernels), "sdpa" (gather
+    # the blocks up to the length bucket, then torch SDPA under a mask), or "auto" (paged where the
+    # kernel builds, else sdpa)
+    cpu_attention_kernel: str = "auto"
     # Distributed
     tp_degree: int = 1
     # Attention
@@ -220,6 +225,10 @@ class NeuronConfig(ConfigBase):
                      ("per_tensor_symmetric", "per_channel_symmetric"))
         check_choice("backend", self.backend, ("auto", "cpu", "neuron"))
         check_choice("cpu_weight_layout", self.cpu_weight_layout, ("auto", "plain", "onednn"))
+        check_choice("cpu_attention_kernel", self.cpu_attention_kernel, ("auto", "sdpa", "paged"))
+        if self.cpu_attention_kernel == "paged" and not self.is_block_kv_layout:
+            raise ValueError("cpu_attention_kernel 'paged' needs is_block_kv_layout=True (it reads "
+                             "the block table); use 'auto' or 'sdpa' with the flat KV layout")
 
     def _validate_kernels(self) -> None:
         bf16 = self.torch_dtype == torch.bfloat16

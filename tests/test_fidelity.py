@@ -381,11 +381,19 @@ def test_fused_qkv(zoo, tmp_path, name, fmt, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_block_kv_layout(zoo, tmp_path, backend):
+@pytest.mark.parametrize("kernel", ["paged", "sdpa"])
+def test_block_kv_layout(zoo, tmp_path, backend, kernel):
+    """Both token-generation attention paths (the C++ kernel reading blocks in place, and gather +
+    SDPA) give transformers' logits; the compiled graphs call the kernel when it is chosen."""
     block = 8
     model = build(zoo.checkpoint("gqa_tied", "safetensors"), backend, tmp_path,
-                  is_block_kv_layout=True, pa_block_size=block, pa_num_blocks=3 * SEQ_LEN // block)
+                  is_block_kv_layout=True, pa_block_size=block, pa_num_blocks=3 * SEQ_LEN // block,
+                  cpu_attention_kernel=kernel)
     assert model.kv_cache.shape[2:4] == (3 * SEQ_LEN // block + 1, block)  # + 1 scratch block
+    assert model.attention_kernel == kernel
+    if backend == "compiled":
+        graph = next(iter(model.token_generation_model.runnables.values())).inlined_graph
+        assert ("nxdi::paged_decode_attention" in str(graph)) == (kernel == "paged")
     used = record_buckets(model)
     for lengths in (PROMPT_LENS, SHORT_LENS):
         refs = zoo.reference("gqa_tied", lengths)
@@ -452,13 +460,19 @@ def fp8_cache_reference(hf, prompts, refs, monkeypatch) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_kv_cache_quant(zoo, tmp_path, backend, monkeypatch):
+@pytest.mark.parametrize("layout", ["flat", "block-paged"])
+def test_kv_cache_quant(zoo, tmp_path, backend, layout, monkeypatch):
     """The fp8 cache changes logits by up to ~0.8 (~9% relative, Frobenius) on these std-0.2
     weights (e4m3 keeps 3 mantissa bits); against a transformers run with the same fp8 rounding of
     the cache the logits agree to 5e-3 (a value that lands on a rounding boundary may round the
-    other way under fp32 noise, which moves later logits by ~1e-3)."""
+    other way under fp32 noise, which moves later logits by ~1e-3). block-paged: the block layout
+    with the paged kernel reading the fp8 blocks."""
     name = "gqa_tied"
-    model = build(zoo.checkpoint(name, "safetensors"), backend, tmp_path, kv_cache_quant=True)
+    extra = {} if layout == "flat" else dict(is_block_kv_layout=True, pa_block_size=8,
+                                             pa_num_blocks=3 * SEQ_LEN // 8,
+                                             cpu_attention_kernel="paged")
+    model = build(zoo.checkpoint(name, "safetensors"), backend, tmp_path, kv_cache_quant=True,
+                  **extra)
     assert model.kv_cache.dtype == torch.float8_e4m3fn
     refs, prompts = zoo.reference(name), zoo.prompts(name)
     outs = run(model, prompts, refs)

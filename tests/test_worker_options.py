@@ -54,3 +54,20 @@ def test_launcher_passes_context_buckets_and_quantize_to_every_service():
     args = model_args(spec, threads=1)
     assert args[args.index("--context-buckets") + 1] == "128,384,512"
     assert args[args.index("--quantize") + 1] == "int8"
+
+
+def test_attention_kernel_option_shapes_the_decode_config():
+    """paged (auto where the kernel builds): one TKG length bucket, since a step costs the same
+    in any; sdpa: the length buckets that split_by_length chooses among."""
+    paged = worker.decode_neuron_config(_parse("--attention-kernel", "paged"), 4, 64, 16)
+    assert paged.cpu_attention_kernel == "paged" and paged.token_generation_buckets == [2048]
+    auto = worker.decode_neuron_config(worker.ModelOptions(), 4, 64, 16)
+    assert auto.token_generation_buckets == [2048]
+    sdpa = worker.decode_neuron_config(_parse("--attention-kernel", "sdpa"), 4, 64, 16)
+    assert sdpa.cpu_attention_kernel == "sdpa" and sdpa.token_generation_buckets is None
+    with pytest.raises(ValueError, match="attention_kernel must be one of"):
+        worker.ModelOptions(attention_kernel="fast")
+    spec = LaunchSpec(attention_kernel="sdpa")
+    args = model_args(spec, threads=1)
+    assert args[args.index("--attention-kernel") + 1] == "sdpa"
+    assert "--attention-kernel" not in model_args(LaunchSpec(), threads=1)

@@ -30,10 +30,12 @@ def code_fingerprint() -> str:
 
 
 def cache_key(*, config_json: str, tag: str, bucket: tuple, backend_version: str,
-              compiler_args, code: str, weight_layout: str = "plain") -> str:
+              compiler_args, code: str, weight_layout: str = "plain",
+              attention_kernel: str = "sdpa") -> str:
     payload = json.dumps({"config": config_json, "tag": tag, "bucket": list(bucket),
                           "backend": backend_version, "compiler_args": compiler_args,
-                          "code": code, "weight_layout": weight_layout}, sort_keys=True)
+                          "code": code, "weight_layout": weight_layout,
+                          "attention_kernel": attention_kernel}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

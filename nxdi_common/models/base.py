@@ -45,7 +45,8 @@ class NeuronBaseModel(nn.Module):
         index = (seq_ids, position_ids, slot_mapping, block_table)
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, hidden.dtype)
-        mask = self._attention_mask(position_ids, kv_len, hidden.dtype)
+        paged = self.kv_mgr.paged_attention is not None
+        mask = None if paged else self._attention_mask(position_ids, kv_len, hidden.dtype)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, mask, kv_cache, i, self.kv_mgr, index, kv_len)
         hidden = self._last_token(hidden, attention_mask, kv_len)  # [B, 1, hidden]

@@ -94,12 +94,16 @@ class NeuronAttention(nn.Module):
         """x [B, S, hidden]; cos/sin from rope_cos_sin; mask None (causal) or [B, 1, S, T] additive
         float (0 = attend, -inf = not). kv_len None means context encoding (attend to this call's
         own keys); an int means token generation (attend to the first kv_len cached positions, after writing
-        this step's keys). Returns residual + attention output when residual is given."""
+        this step's keys; with kv_mgr.paged_attention, to each row's own positions, and mask is
+        unused). Returns residual + attention output when residual is given."""
         q, k, v = self.project(x, cos, sin)
         kv_mgr.write(cache, layer, k, v, index)
-        if kv_len is not None:
-            k, v = kv_mgr.read(cache, layer, index, kv_len)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=True)
+        if kv_len is not None and kv_mgr.paged_attention is not None:
+            out = kv_mgr.attend(cache, layer, q, index)  # reads the blocks in place; no mask
+        else:
+            if kv_len is not None:
+                k, v = kv_mgr.read(cache, layer, index, kv_len)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=True)
         out = out.transpose(1, 2).flatten(2)  # [B, S, H * D]
         return self.o_proj(out) if residual is None else self.o_proj.add_to(residual, out)

@@ -10,7 +10,9 @@ Two layouts, as in NxD Inference:
 * block (`BlockKVCacheManager`, `is_block_kv_layout`): [layers, 2, pa_num_blocks + 1, pa_block_size,
   kv_heads, head_dim]. Writes go to `slot_mapping` (slot = block * block_size + offset), reads gather
   the sequence's blocks through its `block_table` into a flat view. The extra last block is scratch
-  for padding slots.
+  for padding slots. Token generation can skip the gather: with `paged_attention` set (the C++
+  kernel of nxdi_common/kernels), `attend` reads each row's blocks where they lie, up to its own
+  position, so a step's cost follows the real lengths rather than the length bucket.
 
 With `kv_cache_quant` the cache holds float8_e4m3fn and is cast back to the compute dtype on read.
 """
@@ -37,6 +39,7 @@ class KVCacheManager:
     """Flat per-sequence KV layout addressed by seq_ids and positions."""
 
     is_block = False
+    paged_attention = None  # token generation always gathers (read) and runs SDPA
 
     def __init__(self, num_layers: int, max_batch_size: int, kv_heads: int, seq_len: int,
                  head_dim: int, dtype: torch.dtype, compute_dtype: torch.dtype):
@@ -76,6 +79,8 @@ class BlockKVCacheManager:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.block_size, self.scratch_block = block_size, num_blocks
         self.dtype, self.compute_dtype = dtype, compute_dtype
+        # torch.ops.nxdi.paged_decode_attention when the model uses it (application_base sets it)
+        self.paged_attention = None
 
     def allocate(self) -> torch.Tensor:
         return torch.zeros(self.shape, dtype=self.dtype)
@@ -85,7 +90,11 @@ class BlockKVCacheManager:
         slots = index[2].reshape(-1).long()
         kv = _as_dtype(torch.stack((k, v)).transpose(2, 3), self.dtype)  # [2, B, S, Hkv, D]
         rows = kv.flatten(1, 2)  # [2, B * S, Hkv, D]
-        cache[layer].view(2, -1, self.kv_heads, self.head_dim).index_copy_(1, slots, rows)
+        dest = cache[layer].view(2, -1, self.kv_heads, self.head_dim)
+        if self.dtype == torch.float8_e4m3fn:
+            dest[:, slots] = rows  # index_copy_ has no float8 kernel; index_put has
+        else:
+            dest.index_copy_(1, slots, rows)
 
     def read(self, cache, layer: int, index, length: int):
         """Gather block_table [B, length / block_size] (index[3]) into k, v [B, Hkv, length, D]."""
@@ -98,6 +107,12 @@ class BlockKVCacheManager:
             kv = blocks.view(-1, length, self.kv_heads, self.head_dim).transpose(1, 2)
             out.append(_as_dtype(kv, self.compute_dtype))  # [B, Hkv, length, D]
         return out[K], out[V]
+
+    def attend(self, cache, layer: int, q, index):
+        """Token-generation attention in place (paged_attention set): q [B, H, S, D] over each
+        row's cached positions 0..position_ids[b, s] through block_table. Returns [B, H, S, D]."""
+        return self.paged_attention(q, cache[layer, K], cache[layer, V], index[3], index[1],
+                                    self.head_dim ** -0.5)
 
 
 def make_kv_cache_manager(neuron_config, num_layers: int, kv_heads: int, head_dim: int):

@@ -31,7 +31,7 @@ POLICIES = ("least-loaded", "round-robin", "prefix-affinity")
 # The options of each service's command line, as this launcher and deploy/ use them (tests check
 # the manifests against this); MODEL_FLAGS (worker.add_model_args) are common to all three.
 MODEL_FLAGS = ("--model", "--dtype", "--max-model-len", "--backend", "--compiled-root", "--threads",
-               "--quantize", "--context-buckets")
+               "--quantize", "--context-buckets", "--attention-kernel")
 SERVICE_FLAGS = {
     "prefill": ("--host", "--port", "--metrics-port", "--max-batch-size", "--ctx-batch-size"),
     "decode": ("--host", "--port", "--metrics-port", "--max-batch-size", "--kv-blocks",
@@ -59,6 +59,7 @@ class LaunchSpec:
     compiled_root: str | None = None
     quantize: str | None = None  # "int8" (worker.QUANTIZE) or None
     context_buckets: tuple[int, ...] | None = None  # workers' CTE buckets (None: worker default)
+    attention_kernel: str = "auto"  # decode workers' TKG attention: auto | paged | sdpa
     prefill_workers: int = 1
     decode_workers: int = 1
     host: str = "127.0.0.1"
@@ -131,6 +132,8 @@ def model_args(spec: LaunchSpec, threads: int | None) -> list[str]:
         args += ["--quantize", spec.quantize]
     if spec.context_buckets:
         args += ["--context-buckets", ",".join(map(str, spec.context_buckets))]
+    if spec.attention_kernel != "auto":
+        args += ["--attention-kernel", spec.attention_kernel]
     if threads is not None:
         args += ["--threads", str(threads)]
     return args
@@ -291,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantize", choices=("int8",), help="workers' weights as int8 per channel")
     g.add_argument("--context-buckets", type=parse_buckets, metavar="N,N,...",
                    help="workers' prompt-length buckets, ending at --max-model-len")
+    g.add_argument("--attention-kernel", choices=("auto", "paged", "sdpa"), default="auto",
+                   help="decode attention: paged C++ kernel, gather + torch SDPA, or auto")
     g = p.add_argument_group("services")
     g.add_argument("--policy", choices=POLICIES, help="router's decode-worker policy")
     for role in ROLES:
@@ -312,7 +317,9 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     return LaunchSpec(
         model=args.model, dtype=args.dtype, backend=args.backend,
         max_model_len=args.max_model_len, compiled_root=args.compiled_root,
-        quantize=args.quantize, context_buckets=args.context_buckets, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        quantize=args.quantize, context_buckets=args.context_buckets,
+        attention_kernel=args.attention_kernel,
+        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         threads=args.threads, cpus=parse_cpus(args.cpus),
         prefill_args=shlex.split(args.prefill_args), decode_args=shlex.split(args.decode_args),

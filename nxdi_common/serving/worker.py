@@ -18,6 +18,7 @@ from nxdi_common.kv_transfer import ModelFingerprint
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16")
 QUANTIZE = ("int8",)
+ATTENTION_KERNELS = ("auto", "paged", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class ModelOptions:
     threads: int | None = None  # torch intra-op threads; None: torch's default
     quantize: str | None = None  # "int8": weights int8 per output channel; None: dtype weights
     context_buckets: tuple[int, ...] | None = None  # CTE lengths; None: quartered_buckets()
+    attention_kernel: str = "auto"  # decode's TKG attention (NeuronConfig.cpu_attention_kernel)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -44,6 +46,9 @@ class ModelOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.quantize is not None and self.quantize not in QUANTIZE:
             raise ValueError(f"quantize must be one of {QUANTIZE} or unset, got {self.quantize!r}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, "
+                             f"got {self.attention_kernel!r}")
         if self.context_buckets is not None:
             validate_buckets(self.context_buckets, self.max_model_len, "context_buckets",
                              "max_model_len")
@@ -86,12 +91,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="int8: weights quantized per output channel (written once, cached next "
                         "to the compiled models); faster decode at small batch, slightly less "
                         "accurate")
+    g.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="auto",
+                   help="decode attention: paged (C++ kernel reading each sequence's KV blocks in "
+                        "place; built once per machine), sdpa (gather the blocks, torch SDPA), "
+                        "auto (paged where it builds)")
 
 
 def model_options_from_args(args) -> ModelOptions:
     return ModelOptions(args.model, args.dtype, args.max_model_len, args.backend,
                         args.compiled_root, args.threads, getattr(args, "quantize", None),
-                        getattr(args, "context_buckets", None))
+                        getattr(args, "context_buckets", None),
+                        getattr(args, "attention_kernel", "auto"))
 
 
 
@@ -105,9 +115,17 @@ def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: in
                          block_size: int):
     """Block KV cache of num_blocks blocks; TKG batch buckets up to max_batch_size; CTE (local
     prefill) one prompt at a time."""
+    kwargs = {}
+    if opts.attention_kernel != "sdpa":
+        from nxdi_common.kernels import paged_attention_unavailable_reason
+        if paged_attention_unavailable_reason() is None:
+            # Each row reads only its own blocks: a step costs the same in every length bucket,
+            # so one bucket serves every length (one TKG call per step, fewer graphs to build).
+            kwargs["token_generation_buckets"] = [opts.max_model_len]
     return _neuron_config(opts, max_batch_size=max_batch_size, ctx_batch_size=1,
                           tkg_batch_size=max_batch_size, is_block_kv_layout=True,
-                          pa_num_blocks=num_blocks, pa_block_size=block_size)
+                          pa_num_blocks=num_blocks, pa_block_size=block_size,
+                          cpu_attention_kernel=opts.attention_kernel, **kwargs)
 
 
 def _neuron_config(opts: ModelOptions, **kwargs):

@@ -1,0 +1,198 @@
+"""The paged decode attention kernel (nxdi_common/kernels): equal to gather + SDPA over the block
+table, reads nothing past a row's own position or outside its blocks, refuses out-of-range block
+ids and positions, and is chosen, recorded and loaded with compiled graphs as configured."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nxdi_common import kernels
+from nxdi_common.application_base import MANIFEST
+from nxdi_common.config import NeuronConfig
+from nxdi_common.models.llama.modeling_llama import NeuronLlamaForCausalLM
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BS = 4  # block size of the synthetic caches
+
+
+@pytest.fixture(scope="module")
+def op():
+    return kernels.paged_attention()
+
+
+def reference(q, k_cache, v_cache, table, pos):
+    """Gather each row's blocks into [B, Hkv, W * BS, D] and run SDPA with position masking."""
+    b, h, s, d = q.shape
+    length = table.shape[1] * BS
+    k = k_cache[table.reshape(-1)].view(b, length, -1, d).transpose(1, 2).to(q.dtype)
+    v = v_cache[table.reshape(-1)].view(b, length, -1, d).transpose(1, 2).to(q.dtype)
+    allowed = torch.arange(length).view(1, 1, 1, length) <= pos.view(b, 1, s, 1)
+    mask = torch.where(allowed, 0.0, float("-inf")).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def case(seed, dtype=torch.float32, kv_dtype=None, heads=6, kv_heads=2, queries=1, dim=16,
+         width=6, num_blocks=40, positions=(0, 3, 4, 13, 23)):
+    """q, caches, a shuffled block table (distinct blocks per row) and positions [B, queries]
+    (each row's queries are consecutive positions ending at the given one)."""
+    g = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    b = len(positions)
+    k = torch.randn(num_blocks, BS, kv_heads, dim, generator=g).to(kv_dtype)
+    v = torch.randn(num_blocks, BS, kv_heads, dim, generator=g).to(kv_dtype)
+    q = torch.randn(b, heads, queries, dim, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[:b * width].view(b, width)
+    last = torch.tensor(positions).view(b, 1)
+    pos = (last - queries + 1 + torch.arange(queries)).clamp(min=0)
+    return q, k, v, table, pos
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,tol", [
+    (torch.float32, None, 2e-6), (torch.bfloat16, None, 2e-2), (torch.float16, None, 2e-3),
+    (torch.bfloat16, torch.float8_e4m3fn, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (3, 1)])
+@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize("dim", [16, 64])  # 64: the AVX-512 path where the CPU has it; 16: portable
+def test_equals_gather_and_sdpa(op, dtype, kv_dtype, tol, heads, kv_heads, queries, dim):
+    q, k, v, table, pos = case(1, dtype, kv_dtype, heads, kv_heads, queries, dim)
+    out = op(q, k, v, table, pos, q.shape[-1] ** -0.5)
+    ref = reference(q, k, v, table, pos)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out.float() - ref.float()).abs().max() <= tol
+
+
+@pytest.mark.parametrize("dim", [16, 64])
+def test_reads_only_each_rows_own_positions(op, dim):
+    """NaN everywhere a row must not read (past its position in its blocks, and every block not in
+    the table) leaves the output finite and equal to the clean cache's."""
+    q, k, v, table, pos = case(2, dim=dim)
+    clean = op(q, k, v, table, pos, 0.25)
+    poisoned_k, poisoned_v = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    for row in range(table.shape[0]):
+        for p in range(int(pos[row].max()) + 1):
+            block, off = int(table[row, p // BS]), p % BS
+            poisoned_k[block, off], poisoned_v[block, off] = k[block, off], v[block, off]
+    out = op(q, poisoned_k, poisoned_v, table, pos, 0.25)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, clean)
+
+
+@pytest.mark.parametrize("dim", [16, 64])
+def test_two_threads_equal_one(op, dim):
+    q, k, v, table, pos = case(3, torch.bfloat16, dim=dim)
+    one = op(q, k, v, table, pos, 0.25)
+    torch.set_num_threads(2)
+    assert torch.equal(op(q, k, v, table, pos, 0.25), one)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda q, k, v, t, p: (q, k, v, t.clone().fill_(40), p), "block ids"),
+    (lambda q, k, v, t, p: (q, k, v, t.clone().fill_(-1), p), "block ids"),
+    (lambda q, k, v, t, p: (q, k, v, t, p + 100), "positions"),
+    (lambda q, k, v, t, p: (q, k, v, t, p - 100), "positions"),
+    (lambda q, k, v, t, p: (q[..., :8], k, v, t, p), "head_dim"),
+    (lambda q, k, v, t, p: (q[:, :5], k, v, t, p), "not a multiple"),
+    (lambda q, k, v, t, p: (q[0], k, v, t, p), "q must be"),
+    (lambda q, k, v, t, p: (q, k, v.float().half(), t, p), "dtypes differ"),
+    (lambda q, k, v, t, p: (q, k, v, t[:2], p), "block_table"),
+])
+def test_bad_input_is_refused(op, change, message):
+    """A block id outside the cache or a position outside the table is an error, not a read of
+    someone else's memory."""
+    args = change(*case(4))
+    with pytest.raises(RuntimeError, match=message):
+        op(*args, 0.25)
+
+
+# ---- choice of attention path, and compiled graphs --------------------------------------------
+
+
+def block_config(**overrides) -> NeuronConfig:
+    kwargs = dict(batch_size=2, seq_len=64, torch_dtype=torch.float32, enable_bucketing=True,
+                  context_encoding_buckets=[32, 64], token_generation_buckets=[64], backend="cpu",
+                  is_block_kv_layout=True, pa_block_size=8, pa_num_blocks=24)
+    kwargs.update(overrides)
+    return NeuronConfig(**kwargs)
+
+
+def test_paged_needs_the_block_layout():
+    with pytest.raises(ValueError, match="cpu_attention_kernel 'paged' needs is_block_kv_layout"):
+        NeuronConfig(batch_size=1, seq_len=64, cpu_attention_kernel="paged")
+    with pytest.raises(ValueError, match="cpu_attention_kernel must be one of"):
+        block_config(cpu_attention_kernel="fast")
+
+
+def test_auto_falls_back_when_the_kernel_cannot_be_built(tiny_llama_ckpt, monkeypatch):
+    """Without a compiler, auto runs gather + SDPA and says why; an explicit 'paged' refuses."""
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_build_and_load",
+                        lambda: (_ for _ in ()).throw(OSError("no C++ compiler")))
+    model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=block_config())
+    assert model.resolve_attention_kernel("cpu") == kernels.SDPA
+    assert "no C++ compiler" in kernels.paged_attention_unavailable_reason()
+    explicit = NeuronLlamaForCausalLM(tiny_llama_ckpt,
+                                      neuron_config=block_config(cpu_attention_kernel="paged"))
+    with pytest.raises(ValueError, match="'paged' cannot be used: .*no C\\+\\+ compiler"):
+        explicit.resolve_attention_kernel("cpu")
+
+
+def greedy(model, steps: int = 12) -> torch.Tensor:
+    model.reset()
+    prompt = (torch.arange(40) * 37 + 11).remainder(256).view(2, 20)
+    logits = [model(prompt).logits]
+    for _ in range(steps):
+        logits.append(model(logits[-1].argmax(-1, keepdim=True)).logits)
+    return torch.stack(logits)
+
+
+_CHILD = """
+import sys, torch
+torch.set_num_threads(1)
+from nxdi_common.models.llama.modeling_llama import LlamaInferenceConfig, NeuronLlamaForCausalLM
+folder, ckpt, out = sys.argv[1:4]
+model = NeuronLlamaForCausalLM(ckpt, config=LlamaInferenceConfig.load(folder))
+model.load(folder)
+assert model.attention_kernel == "paged", model.attention_kernel
+torch.save(greedy(model), out)
+"""
+
+
+def test_compiled_paged_graphs_load_in_a_fresh_process(tiny_llama_ckpt, tmp_path,
+                                                       compile_cache_dir):
+    """The manifest records the kernel; a new process loads the library before the graphs and
+    reproduces the logits; an sdpa-compiled folder is refused by a paged config."""
+    from nxdi_common.models.llama.modeling_llama import LlamaInferenceConfig
+    import inspect
+    folder = tmp_path / "paged"
+    model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=block_config())
+    model.compile(folder)
+    model.load(folder)
+    assert json.loads((folder / MANIFEST).read_text())["attention_kernel"] == kernels.PAGED
+    expected = greedy(model)
+    eager = NeuronLlamaForCausalLM(tiny_llama_ckpt,
+                                   neuron_config=block_config(cpu_attention_kernel="sdpa"))
+    eager.to_cpu()
+    assert (greedy(eager) - expected).abs().max() <= 1e-4
+
+    script = tmp_path / "child.py"
+    script.write_text("import torch\n" + textwrap.dedent(inspect.getsource(greedy)) + _CHILD)
+    proc = subprocess.run([sys.executable, str(script), str(folder), str(tiny_llama_ckpt),
+                           str(tmp_path / "out.pt")], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+
+    sdpa_folder = tmp_path / "sdpa"
+    NeuronLlamaForCausalLM(tiny_llama_ckpt,
+                           neuron_config=block_config(cpu_attention_kernel="sdpa")).compile(sdpa_folder)
+    paged = NeuronLlamaForCausalLM(tiny_llama_ckpt, config=LlamaInferenceConfig.load(folder))
+    with pytest.raises(ValueError, match="compiled for 'sdpa' token-generation attention"):
+        paged.load(sdpa_folder)
