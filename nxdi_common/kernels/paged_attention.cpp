@@ -165,88 +165,91 @@ inline float softmax_in_place(float* sc, int64_t len) {
   return 1.f / _mm512_reduce_add_ps(vsum);
 }
 
+// Row b, KV heads [hk0, hk1) (their query heads h0..h1 are contiguous, h = hk * group + g):
+// per token, each KV head's K (then V) row is read once for all of its query heads and positions.
+// Taking all KV heads of a row in one task reads its blocks front to back.
 template <int NV, typename q_t, typename kv_t>
 void attend_avx512(const Shapes& s, const q_t* q, const kv_t* kc, const kv_t* vc,
                    const int64_t* table, const int64_t* pos, float scale, q_t* out, int64_t b,
-                   int64_t hk) {
+                   int64_t hk0, int64_t hk1) {
   constexpr int64_t d = NV * 16;
-  const int64_t group = s.heads / s.kv_heads, nq = group * s.queries;
+  const int64_t group = s.heads / s.kv_heads, h0 = hk0 * group;
+  const int64_t per_kv = group * s.queries, nq = (hk1 - hk0) * per_kv;
   const int64_t token_stride = s.kv_heads * d;
+  // Query qi = (h - h0) * queries + i: contiguous in q and out from row b, head h0.
+  const q_t* q_row = q + (b * s.heads + h0) * s.queries * d;
+  q_t* out_row = out + (b * s.heads + h0) * s.queries * d;
   std::vector<__m512> qv(nq * NV), acc(nq * NV, _mm512_setzero_ps());
   std::vector<int64_t> last(nq);
   int64_t n = 0;
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t i = 0; i < s.queries; ++i) {
-      const int64_t qi = g * s.queries + i;
-      const q_t* src = q + ((b * s.heads + hk * group + g) * s.queries + i) * d;
-      alignas(64) float tmp[d];
-      for (int64_t j = 0; j < d; ++j) tmp[j] = to_float(src[j]) * scale;
-      for (int j = 0; j < NV; ++j) qv[qi * NV + j] = _mm512_load_ps(tmp + 16 * j);
-      last[qi] = pos[b * s.queries + i];
-      n = std::max(n, last[qi] + 1);
-    }
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    alignas(64) float tmp[d];
+    for (int64_t j = 0; j < d; ++j) tmp[j] = to_float(q_row[qi * d + j]) * scale;
+    for (int j = 0; j < NV; ++j) qv[qi * NV + j] = _mm512_load_ps(tmp + 16 * j);
+    last[qi] = pos[b * s.queries + qi % s.queries];
+    n = std::max(n, last[qi] + 1);
   }
   std::vector<float> scores(nq * std::max<int64_t>(n, 1));
   // Positions go block by block (t = first + o): no division per token.
   auto for_each_token = [&](const kv_t* cache, auto&& visit) {
     for (int64_t first = 0; first < n; first += s.block_size) {
       const int64_t block = table[b * s.table_width + first / s.block_size];
-      const kv_t* base = cache + block * s.block_size * token_stride + hk * d;
+      const kv_t* base = cache + block * s.block_size * token_stride;
       const int64_t count = std::min(s.block_size, n - first);
       for (int64_t o = 0; o < count; ++o) visit(first + o, base + o * token_stride);
     }
   };
   __m512 row[NV];
-  for_each_token(kc, [&](int64_t t, const kv_t* kr) {
-    for (int j = 0; j < NV; ++j) row[j] = load16(kr + 16 * j);
-    for (int64_t qi = 0; qi < nq; ++qi) {
-      if (t > last[qi]) continue;
-      const __m512* qq = qv.data() + qi * NV;
-      __m512 dot = _mm512_mul_ps(qq[0], row[0]);
-      for (int j = 1; j < NV; ++j) dot = _mm512_fmadd_ps(qq[j], row[j], dot);
-      scores[qi * n + t] = _mm512_reduce_add_ps(dot);
+  for_each_token(kc, [&](int64_t t, const kv_t* token) {
+    for (int64_t hk = hk0; hk < hk1; ++hk) {
+      for (int j = 0; j < NV; ++j) row[j] = load16(token + hk * d + 16 * j);
+      for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
+        if (t > last[qi]) continue;
+        const __m512* qq = qv.data() + qi * NV;
+        __m512 dot = _mm512_mul_ps(qq[0], row[0]);
+        for (int j = 1; j < NV; ++j) dot = _mm512_fmadd_ps(qq[j], row[j], dot);
+        scores[qi * n + t] = _mm512_reduce_add_ps(dot);
+      }
     }
   });
   std::vector<float> inv_sum(nq);
   for (int64_t qi = 0; qi < nq; ++qi) inv_sum[qi] = softmax_in_place(scores.data() + qi * n, last[qi] + 1);
-  for_each_token(vc, [&](int64_t t, const kv_t* vr) {
-    for (int j = 0; j < NV; ++j) row[j] = load16(vr + 16 * j);
-    for (int64_t qi = 0; qi < nq; ++qi) {
-      if (t > last[qi]) continue;
-      const __m512 p = _mm512_set1_ps(scores[qi * n + t]);
-      __m512* a = acc.data() + qi * NV;
-      for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p, row[j], a[j]);
+  for_each_token(vc, [&](int64_t t, const kv_t* token) {
+    for (int64_t hk = hk0; hk < hk1; ++hk) {
+      for (int j = 0; j < NV; ++j) row[j] = load16(token + hk * d + 16 * j);
+      for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
+        if (t > last[qi]) continue;
+        const __m512 p = _mm512_set1_ps(scores[qi * n + t]);
+        __m512* a = acc.data() + qi * NV;
+        for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p, row[j], a[j]);
+      }
     }
   });
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t i = 0; i < s.queries; ++i) {
-      const int64_t qi = g * s.queries + i;
-      q_t* dst = out + ((b * s.heads + hk * group + g) * s.queries + i) * d;
-      alignas(64) float tmp[d];
-      const __m512 inv = _mm512_set1_ps(inv_sum[qi]);
-      for (int j = 0; j < NV; ++j) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(acc[qi * NV + j], inv));
-      for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<q_t>(tmp[j]);
-    }
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    alignas(64) float tmp[d];
+    const __m512 inv = _mm512_set1_ps(inv_sum[qi]);
+    for (int j = 0; j < NV; ++j) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(acc[qi * NV + j], inv));
+    for (int64_t j = 0; j < d; ++j) out_row[qi * d + j] = static_cast<q_t>(tmp[j]);
   }
 }
 #endif
 
-// The attention of one (row, kv head) pair by the fastest path for this head_dim.
+// The attention of row b for KV heads [hk0, hk1), by the fastest path for this head_dim.
 template <typename q_t, typename kv_t>
-void attend_pair(const Shapes& s, const q_t* q, const kv_t* kc, const kv_t* vc,
-                 const int64_t* table, const int64_t* pos, float scale, q_t* out, int64_t b,
-                 int64_t hk) {
+void attend_heads(const Shapes& s, const q_t* q, const kv_t* kc, const kv_t* vc,
+                  const int64_t* table, const int64_t* pos, float scale, q_t* out, int64_t b,
+                  int64_t hk0, int64_t hk1) {
 #if defined(__AVX512F__)
   switch (s.dim) {
-    case 32: return attend_avx512<2>(s, q, kc, vc, table, pos, scale, out, b, hk);
-    case 64: return attend_avx512<4>(s, q, kc, vc, table, pos, scale, out, b, hk);
-    case 80: return attend_avx512<5>(s, q, kc, vc, table, pos, scale, out, b, hk);
-    case 96: return attend_avx512<6>(s, q, kc, vc, table, pos, scale, out, b, hk);
-    case 128: return attend_avx512<8>(s, q, kc, vc, table, pos, scale, out, b, hk);
+    case 32: return attend_avx512<2>(s, q, kc, vc, table, pos, scale, out, b, hk0, hk1);
+    case 64: return attend_avx512<4>(s, q, kc, vc, table, pos, scale, out, b, hk0, hk1);
+    case 80: return attend_avx512<5>(s, q, kc, vc, table, pos, scale, out, b, hk0, hk1);
+    case 96: return attend_avx512<6>(s, q, kc, vc, table, pos, scale, out, b, hk0, hk1);
+    case 128: return attend_avx512<8>(s, q, kc, vc, table, pos, scale, out, b, hk0, hk1);
     default: break;
   }
 #endif
-  attend<q_t, kv_t>(s, q, kc, vc, table, pos, scale, out, b, hk);
+  for (int64_t hk = hk0; hk < hk1; ++hk) attend<q_t, kv_t>(s, q, kc, vc, table, pos, scale, out, b, hk);
 }
 
 template <typename q_t, typename kv_t>
@@ -258,10 +261,16 @@ void run(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t* tp = table.const_data_ptr<int64_t>();
   const int64_t* pp = pos.const_data_ptr<int64_t>();
   q_t* op = out.mutable_data_ptr<q_t>();
-  at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task)
-      attend_pair<q_t, kv_t>(s, qp, kp, vp, tp, pp, static_cast<float>(scale), op,
-                             task / s.kv_heads, task % s.kv_heads);
+  // A task is a row's KV heads: all of them (its blocks read front to back) when there are
+  // enough rows for every thread, else one each.
+  const int64_t heads_per_task = s.batch >= at::get_num_threads() ? s.kv_heads : 1;
+  const int64_t tasks_per_row = s.kv_heads / heads_per_task;
+  at::parallel_for(0, s.batch * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_row, hk0 = task % tasks_per_row * heads_per_task;
+      attend_heads<q_t, kv_t>(s, qp, kp, vp, tp, pp, static_cast<float>(scale), op, b, hk0,
+                              hk0 + heads_per_task);
+    }
   });
 }
 
