@@ -181,16 +181,10 @@ class NeuronApplicationBase(nn.Module):
         """The linear weights' layout for a backend: ONEDNN on the CPU backends when
         neuron_config.cpu_weight_layout asks for it ("auto": for bfloat16 where oneDNN runs)."""
         nc = self.neuron_config
-        if backend_name not in (TracedCPUBackend.name, EagerBackend.name) or \
-                nc.cpu_weight_layout == PLAIN:
-            return PLAIN
-        reason = onednn_unavailable_reason(nc.torch_dtype)
-        if nc.cpu_weight_layout == "auto":
-            return ONEDNN if nc.torch_dtype == torch.bfloat16 and reason is None else PLAIN
-        if reason is not None:
-            raise ValueError(f"cpu_weight_layout 'onednn' cannot be used: {reason}; "
-                             "use 'auto' or 'plain'")
-        return ONEDNN
+        return _resolve_cpu_option(
+            backend_name, "cpu_weight_layout", nc.cpu_weight_layout, ONEDNN, PLAIN, applies=True,
+            auto_wants=nc.torch_dtype == torch.bfloat16,
+            unavailable=lambda: onednn_unavailable_reason(nc.torch_dtype))
 
     def _apply_weight_layout(self, layout: str) -> None:
         """Pack the loaded model's linear weights when layout is ONEDNN (done after the plain
@@ -205,16 +199,10 @@ class NeuronApplicationBase(nn.Module):
         cache in place) on the CPU backends with the block KV layout when
         neuron_config.cpu_attention_kernel asks for it ("auto": where the kernel builds)."""
         nc = self.neuron_config
-        if backend_name not in (TracedCPUBackend.name, EagerBackend.name) or \
-                nc.cpu_attention_kernel == SDPA or not nc.is_block_kv_layout:
-            return SDPA
-        reason = paged_attention_unavailable_reason()
-        if reason is None:
-            return PAGED
-        if nc.cpu_attention_kernel == PAGED:
-            raise ValueError(f"cpu_attention_kernel 'paged' cannot be used: {reason}; "
-                             "use 'auto' or 'sdpa'")
-        return SDPA
+        return _resolve_cpu_option(
+            backend_name, "cpu_attention_kernel", nc.cpu_attention_kernel, PAGED, SDPA,
+            applies=nc.is_block_kv_layout, auto_wants=True,
+            unavailable=paged_attention_unavailable_reason)
 
     def _apply_attention_kernel(self, kernel: str) -> None:
         self._model.kv_mgr.paged_attention = paged_attention() if kernel == PAGED else None
@@ -289,17 +277,16 @@ class NeuronApplicationBase(nn.Module):
         manifest = json.loads((path / MANIFEST).read_text())
         self._check_compiled_config(path)
         backend = get_backend(manifest["backend"])
-        compiled_layout = manifest.get("weight_layout", PLAIN)
         layout = self.resolve_weight_layout(backend.name)
-        if layout != compiled_layout:
-            raise ValueError(f"{path} was compiled for {compiled_layout!r} linear weights but "
-                             f"this model resolves cpu_weight_layout to {layout!r}; compile again")
-        compiled_kernel = manifest.get("attention_kernel", SDPA)
         kernel = self.resolve_attention_kernel(backend.name)
-        if kernel != compiled_kernel:
-            raise ValueError(f"{path} was compiled for {compiled_kernel!r} token-generation "
-                             f"attention but this model resolves cpu_attention_kernel to "
-                             f"{kernel!r}; compile again")
+        for key, what, option, value, default in (
+                ("weight_layout", "linear weights", "cpu_weight_layout", layout, PLAIN),
+                ("attention_kernel", "token-generation attention", "cpu_attention_kernel", kernel,
+                 SDPA)):
+            compiled = manifest.get(key, default)
+            if value != compiled:
+                raise ValueError(f"{path} was compiled for {compiled!r} {what} but this model "
+                                 f"resolves {option} to {value!r}; compile again")
         self.load_weights(path)
         self._apply_weight_layout(layout)
         self._apply_attention_kernel(kernel)  # loads the kernel library the graphs call
@@ -343,3 +330,22 @@ class NeuronApplicationBase(nn.Module):
 
     def reset(self) -> None:
         """Reset model state; nothing by default."""
+
+
+def _resolve_cpu_option(backend_name: str, option: str, requested: str, fast: str, plain: str, *,
+                        applies: bool, auto_wants: bool, unavailable) -> str:
+    """A CPU-backend choice between a fast path and the plain one (cpu_weight_layout,
+    cpu_attention_kernel): plain on other backends, when not applicable or asked for; "auto"
+    takes the fast path when auto_wants it and it is available (``unavailable()`` returns None,
+    else why not); asking for the fast path where it is unavailable is a ValueError."""
+    if backend_name not in (TracedCPUBackend.name, EagerBackend.name) or requested == plain \
+            or not applies:
+        return plain
+    if requested == "auto" and not auto_wants:
+        return plain
+    reason = unavailable()
+    if reason is None:
+        return fast
+    if requested == fast:
+        raise ValueError(f"{option} {fast!r} cannot be used: {reason}; use 'auto' or {plain!r}")
+    return plain

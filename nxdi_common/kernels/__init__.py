@@ -26,7 +26,7 @@ SDPA, PAGED = "sdpa", "paged"
 
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "loaded": True, or "error": the reason it is unavailable
+_state: dict[str, str | None] = {}  # "error": None once loaded, else why it is unavailable
 
 
 def kernel_cache_dir() -> Path:
@@ -101,14 +101,14 @@ def paged_attention_unavailable_reason() -> str | None:
     """None when torch.ops.nxdi.paged_decode_attention is loaded (building it if needed), else why
     it cannot be (the reason is kept: a failed build is not retried in this process)."""
     with _lock:
-        if "loaded" not in _state and "error" not in _state:
+        if "error" not in _state:
             try:
                 _build_and_load()
-                _state["loaded"] = True
+                _state["error"] = None
             except Exception as exc:  # noqa: BLE001 - compiler/ninja/linker failures all mean "no"
-                _state["error"] = f"the C++ kernel could not be built or loaded ({exc})".strip()
+                _state["error"] = f"the C++ kernel could not be built or loaded ({exc})"
                 log.warning("paged attention kernel unavailable: %s", _state["error"])
-        return _state.get("error")
+        return _state["error"]
 
 
 def paged_attention():

@@ -34,88 +34,41 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
 
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]);
-}
-
-inline float dot(const float* a, const float* b, int64_t d) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-inline void axpy(float p, const float* x, float* y, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) y[i] += p * x[i];
-}
-
 struct Shapes {
   int64_t batch, heads, queries, dim, kv_heads, block_size, num_blocks, table_width;
 };
 
-// One (row b, kv head hk) pair: its G = heads / kv_heads query heads times `queries` positions.
-template <typename q_t, typename kv_t>
-void attend(const Shapes& s, const q_t* q, const kv_t* kc, const kv_t* vc, const int64_t* table,
-            const int64_t* pos, float scale, q_t* out, int64_t b, int64_t hk) {
-  const int64_t d = s.dim, group = s.heads / s.kv_heads, nq = group * s.queries;
-  const int64_t token_stride = s.kv_heads * d;
-  std::vector<float> qf(nq * d), row(d), acc(nq * d, 0.f);
-  std::vector<int64_t> last(nq);
-  int64_t n = 0;
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t h = hk * group + g;
-    for (int64_t i = 0; i < s.queries; ++i) {
-      const int64_t qi = g * s.queries + i;
-      load_row(q + ((b * s.heads + h) * s.queries + i) * d, qf.data() + qi * d, d);
-      for (int64_t j = 0; j < d; ++j) qf[qi * d + j] *= scale;
-      last[qi] = pos[b * s.queries + i];
-      n = std::max(n, last[qi] + 1);
-    }
+// The arithmetic on one head_dim-long row (a query, a K or V row, an accumulator), as `Ops`:
+// Row, load(src, row), dot(a, b), axpy(p, x, y), zero(row), store(row, float*), and softmax of a
+// score array in place (returning 1 / the sum). Portable C++ for any head_dim; AVX-512 for
+// head_dim = 16 * NV.
+constexpr int64_t kMaxPortableDim = 512;
+
+struct PortableOps {
+  struct Row { float v[kMaxPortableDim]; };
+  int64_t d;
+  template <typename T> void load(const T* src, Row& r) const {
+    for (int64_t i = 0; i < d; ++i) r.v[i] = to_float(src[i]);
   }
-  std::vector<float> scores(nq * std::max<int64_t>(n, 1));
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  auto token_row = [&](const kv_t* cache, int64_t t) {
-    const int64_t block = table[b * s.table_width + t / s.block_size];
-    return cache + (block * s.block_size + t % s.block_size) * token_stride + hk * d;
-  };
-  for (int64_t t = 0; t < n; ++t) {
-    load_row(token_row(kc, t), row.data(), d);
-    for (int64_t qi = 0; qi < nq; ++qi)
-      scores[qi * n + t] = t <= last[qi] ? dot(qf.data() + qi * d, row.data(), d) : neg_inf;
+  float dot(const Row& a, const Row& b) const {
+    float acc = 0.f;
+    for (int64_t i = 0; i < d; ++i) acc += a.v[i] * b.v[i];
+    return acc;
   }
-  std::vector<float> inv_sum(nq);
-  for (int64_t qi = 0; qi < nq; ++qi) {
-    float* sc = scores.data() + qi * n;
-    const int64_t len = last[qi] + 1;
-    float mx = neg_inf;
-    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sc[t]);
+  void axpy(float p, const Row& x, Row& y) const {
+    for (int64_t i = 0; i < d; ++i) y.v[i] += p * x.v[i];
+  }
+  void zero(Row& r) const { std::fill(r.v, r.v + d, 0.f); }
+  void store(const Row& r, float* out) const { std::copy(r.v, r.v + d, out); }
+  float softmax(float* sc, int64_t len) const {
+    const float mx = *std::max_element(sc, sc + len);
     float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) {
-      sc[t] = std::exp(sc[t] - mx);
-      sum += sc[t];
-    }
-    inv_sum[qi] = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
+    return 1.f / sum;
   }
-  for (int64_t t = 0; t < n; ++t) {
-    load_row(token_row(vc, t), row.data(), d);
-    for (int64_t qi = 0; qi < nq; ++qi)
-      if (t <= last[qi]) axpy(scores[qi * n + t], row.data(), acc.data() + qi * d, d);
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t h = hk * group + g;
-    for (int64_t i = 0; i < s.queries; ++i) {
-      const int64_t qi = g * s.queries + i;
-      q_t* dst = out + ((b * s.heads + h) * s.queries + i) * d;
-      for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<q_t>(acc[qi * d + j] * inv_sum[qi]);
-    }
-  }
-}
+};
 
 #if defined(__AVX512F__)
-// The AVX-512 path: head_dim = 16 * NV, one K or V row loaded as NV vectors of 16 floats.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -144,112 +97,123 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Softmax numerators of sc[0..len) in place; returns 1 / their sum.
-inline float softmax_in_place(float* sc, int64_t len) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sc[t]);
-  const __m512 vmx = _mm512_set1_ps(mx);
-  __m512 vsum = _mm512_setzero_ps();
-  int64_t t = 0;
-  for (; t + 16 <= len; t += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), vmx));
-    _mm512_storeu_ps(sc + t, e);
-    vsum = _mm512_add_ps(vsum, e);
+template <int NV>
+struct Avx512Ops {
+  struct alignas(64) Row { __m512 v[NV]; };
+  template <typename T> void load(const T* src, Row& r) const {
+    for (int j = 0; j < NV; ++j) r.v[j] = load16(src + 16 * j);
   }
-  if (t < len) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + t), vmx));
-    _mm512_mask_storeu_ps(sc + t, m, e);
-    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+  float dot(const Row& a, const Row& b) const {
+    __m512 acc = _mm512_mul_ps(a.v[0], b.v[0]);
+    for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(a.v[j], b.v[j], acc);
+    return _mm512_reduce_add_ps(acc);
   }
-  return 1.f / _mm512_reduce_add_ps(vsum);
-}
+  void axpy(float p, const Row& x, Row& y) const {
+    const __m512 vp = _mm512_set1_ps(p);
+    for (int j = 0; j < NV; ++j) y.v[j] = _mm512_fmadd_ps(vp, x.v[j], y.v[j]);
+  }
+  void zero(Row& r) const { for (int j = 0; j < NV; ++j) r.v[j] = _mm512_setzero_ps(); }
+  void store(const Row& r, float* out) const {
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + 16 * j, r.v[j]);
+  }
+  float softmax(float* sc, int64_t len) const {
+    const __m512 vmx = _mm512_set1_ps(*std::max_element(sc, sc + len));
+    __m512 vsum = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), vmx));
+      _mm512_storeu_ps(sc + t, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    if (t < len) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + t), vmx));
+      _mm512_mask_storeu_ps(sc + t, m, e);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+    }
+    return 1.f / _mm512_reduce_add_ps(vsum);
+  }
+};
+#endif
 
-// Row b, KV heads [hk0, hk1) (their query heads h0..h1 are contiguous, h = hk * group + g):
-// per token, each KV head's K (then V) row is read once for all of its query heads and positions.
-// Taking all KV heads of a row in one task reads its blocks front to back.
-template <int NV, typename q_t, typename kv_t>
-void attend_avx512(const Shapes& s, const q_t* q, const kv_t* kc, const kv_t* vc,
-                   const int64_t* table, const int64_t* pos, float scale, q_t* out, int64_t b,
-                   int64_t hk0, int64_t hk1) {
-  constexpr int64_t d = NV * 16;
-  const int64_t group = s.heads / s.kv_heads, h0 = hk0 * group;
+// Row b, KV heads [hk0, hk1) (their query heads are contiguous, h = hk * group + g): per token,
+// each KV head's K (then V) row is loaded once for all of its query heads and positions. With all
+// KV heads of a row in one task its blocks are read front to back. Block ids and positions are
+// checked where they are used.
+template <typename Ops, typename q_t, typename kv_t>
+void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc, const kv_t* vc,
+                  const int64_t* table, const int64_t* pos, float scale, q_t* out, int64_t b,
+                  int64_t hk0, int64_t hk1) {
+  using Row = typename Ops::Row;
+  const int64_t d = s.dim, group = s.heads / s.kv_heads;
   const int64_t per_kv = group * s.queries, nq = (hk1 - hk0) * per_kv;
-  const int64_t token_stride = s.kv_heads * d;
+  const int64_t token_stride = s.kv_heads * d, limit = s.table_width * s.block_size;
   // Query qi = (h - h0) * queries + i: contiguous in q and out from row b, head h0.
-  const q_t* q_row = q + (b * s.heads + h0) * s.queries * d;
-  q_t* out_row = out + (b * s.heads + h0) * s.queries * d;
-  std::vector<__m512> qv(nq * NV), acc(nq * NV, _mm512_setzero_ps());
+  const int64_t first_row = (b * s.heads + hk0 * group) * s.queries;
+  std::vector<Row> qv(nq), acc(nq);
   std::vector<int64_t> last(nq);
   int64_t n = 0;
   for (int64_t qi = 0; qi < nq; ++qi) {
-    alignas(64) float tmp[d];
-    for (int64_t j = 0; j < d; ++j) tmp[j] = to_float(q_row[qi * d + j]) * scale;
-    for (int j = 0; j < NV; ++j) qv[qi * NV + j] = _mm512_load_ps(tmp + 16 * j);
+    ops.load(q + (first_row + qi) * d, qv[qi]);
+    ops.zero(acc[qi]);
     last[qi] = pos[b * s.queries + qi % s.queries];
+    TORCH_CHECK(last[qi] >= 0 && last[qi] < limit, "paged_decode_attention: positions must lie "
+                "in the block table's 0..", limit - 1, ", got ", last[qi]);
     n = std::max(n, last[qi] + 1);
   }
-  std::vector<float> scores(nq * std::max<int64_t>(n, 1));
   // Positions go block by block (t = first + o): no division per token.
   auto for_each_token = [&](const kv_t* cache, auto&& visit) {
     for (int64_t first = 0; first < n; first += s.block_size) {
       const int64_t block = table[b * s.table_width + first / s.block_size];
+      TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_decode_attention: block ids must "
+                  "lie in the cache's 0..", s.num_blocks - 1, ", got ", block);
       const kv_t* base = cache + block * s.block_size * token_stride;
       const int64_t count = std::min(s.block_size, n - first);
       for (int64_t o = 0; o < count; ++o) visit(first + o, base + o * token_stride);
     }
   };
-  __m512 row[NV];
+  std::vector<float> scores(nq * n);
+  Row row;
   for_each_token(kc, [&](int64_t t, const kv_t* token) {
     for (int64_t hk = hk0; hk < hk1; ++hk) {
-      for (int j = 0; j < NV; ++j) row[j] = load16(token + hk * d + 16 * j);
-      for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
-        if (t > last[qi]) continue;
-        const __m512* qq = qv.data() + qi * NV;
-        __m512 dot = _mm512_mul_ps(qq[0], row[0]);
-        for (int j = 1; j < NV; ++j) dot = _mm512_fmadd_ps(qq[j], row[j], dot);
-        scores[qi * n + t] = _mm512_reduce_add_ps(dot);
-      }
+      ops.load(token + hk * d, row);
+      for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
+        if (t <= last[qi]) scores[qi * n + t] = ops.dot(qv[qi], row) * scale;
     }
   });
   std::vector<float> inv_sum(nq);
-  for (int64_t qi = 0; qi < nq; ++qi) inv_sum[qi] = softmax_in_place(scores.data() + qi * n, last[qi] + 1);
+  for (int64_t qi = 0; qi < nq; ++qi) inv_sum[qi] = ops.softmax(scores.data() + qi * n, last[qi] + 1);
   for_each_token(vc, [&](int64_t t, const kv_t* token) {
     for (int64_t hk = hk0; hk < hk1; ++hk) {
-      for (int j = 0; j < NV; ++j) row[j] = load16(token + hk * d + 16 * j);
-      for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
-        if (t > last[qi]) continue;
-        const __m512 p = _mm512_set1_ps(scores[qi * n + t]);
-        __m512* a = acc.data() + qi * NV;
-        for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(p, row[j], a[j]);
-      }
+      ops.load(token + hk * d, row);
+      for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
+        if (t <= last[qi]) ops.axpy(scores[qi * n + t], row, acc[qi]);
     }
   });
+  std::vector<float> tmp(d);
   for (int64_t qi = 0; qi < nq; ++qi) {
-    alignas(64) float tmp[d];
-    const __m512 inv = _mm512_set1_ps(inv_sum[qi]);
-    for (int j = 0; j < NV; ++j) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(acc[qi * NV + j], inv));
-    for (int64_t j = 0; j < d; ++j) out_row[qi * d + j] = static_cast<q_t>(tmp[j]);
+    ops.store(acc[qi], tmp.data());
+    q_t* dst = out + (first_row + qi) * d;
+    for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<q_t>(tmp[j] * inv_sum[qi]);
   }
 }
-#endif
 
-// The attention of row b for KV heads [hk0, hk1), by the fastest path for this head_dim.
-template <typename q_t, typename kv_t>
-void attend_heads(const Shapes& s, const q_t* q, const kv_t* kc, const kv_t* vc,
-                  const int64_t* table, const int64_t* pos, float scale, q_t* out, int64_t b,
-                  int64_t hk0, int64_t hk1) {
+// attend_heads with the fastest Ops for this head_dim.
+template <typename... Args>
+void attend_heads_any(const Shapes& s, Args... args) {
 #if defined(__AVX512F__)
   switch (s.dim) {
-    case 32: return attend_avx512<2>(s, q, kc, vc, table, pos, scale, out, b, hk0, hk1);
-    case 64: return attend_avx512<4>(s, q, kc, vc, table, pos, scale, out, b, hk0, hk1);
-    case 80: return attend_avx512<5>(s, q, kc, vc, table, pos, scale, out, b, hk0, hk1);
-    case 96: return attend_avx512<6>(s, q, kc, vc, table, pos, scale, out, b, hk0, hk1);
-    case 128: return attend_avx512<8>(s, q, kc, vc, table, pos, scale, out, b, hk0, hk1);
+    case 16: return attend_heads(Avx512Ops<1>{}, s, args...);
+    case 32: return attend_heads(Avx512Ops<2>{}, s, args...);
+    case 48: return attend_heads(Avx512Ops<3>{}, s, args...);
+    case 64: return attend_heads(Avx512Ops<4>{}, s, args...);
+    case 80: return attend_heads(Avx512Ops<5>{}, s, args...);
+    case 96: return attend_heads(Avx512Ops<6>{}, s, args...);
+    case 128: return attend_heads(Avx512Ops<8>{}, s, args...);
     default: break;
   }
 #endif
-  for (int64_t hk = hk0; hk < hk1; ++hk) attend<q_t, kv_t>(s, q, kc, vc, table, pos, scale, out, b, hk);
+  attend_heads(PortableOps{s.dim}, s, args...);
 }
 
 template <typename q_t, typename kv_t>
@@ -268,8 +232,8 @@ void run(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const at::Te
   at::parallel_for(0, s.batch * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_row, hk0 = task % tasks_per_row * heads_per_task;
-      attend_heads<q_t, kv_t>(s, qp, kp, vp, tp, pp, static_cast<float>(scale), op, b, hk0,
-                              hk0 + heads_per_task);
+      attend_heads_any(s, qp, kp, vp, tp, pp, static_cast<float>(scale), op, b, hk0,
+                                  hk0 + heads_per_task);
     }
   });
 }
@@ -312,16 +276,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
               "paged_decode_attention: block_table must be [B, W] with B = ", s.batch);
   TORCH_CHECK(pos.dim() == 2 && pos.size(0) == s.batch && pos.size(1) == s.queries,
               "paged_decode_attention: position_ids must be [B, S] = [", s.batch, ", ", s.queries, "]");
-  if (pos.numel() > 0) {
-    const int64_t lo = pos.min().item<int64_t>(), hi = pos.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < s.table_width * s.block_size, "paged_decode_attention: positions ",
-                lo, "..", hi, " outside the block table's ", s.table_width * s.block_size);
-  }
-  if (table.numel() > 0) {
-    const int64_t lo = table.min().item<int64_t>(), hi = table.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < s.num_blocks, "paged_decode_attention: block ids ", lo, "..", hi,
-                " outside the cache's ", s.num_blocks, " blocks");
-  }
+  TORCH_CHECK(s.dim <= kMaxPortableDim, "paged_decode_attention: head_dim ", s.dim,
+              " is over ", kMaxPortableDim);
   at::Tensor out = at::empty(q.sizes(), q.options());
   switch (q.scalar_type()) {
     case at::kFloat: dispatch_kv<float>(s, q, k, v, table, pos, scale, out); break;
