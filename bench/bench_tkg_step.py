@@ -5,7 +5,7 @@
                                    [--attention-kernel auto|paged|sdpa]
 
 Loads the bundled model as the decode worker does (block KV cache, bf16, compiled backend,
-max batch 16, 2048 blocks of 16 tokens) and times one decode step for every (batch, length):
+max batch 16 unless --max-batch, 2048 blocks of 16 tokens) and times one decode step for every (batch, length):
 every row attends over `length` cached positions; and for every mix (rows of different lengths,
 e.g. 7x256+1x2048). A step runs as the decode engine runs it: one TKG call, or with sdpa
 attention the short and long rows as two calls when split_by_length finds that cheaper. Median
@@ -23,7 +23,7 @@ from decode_service.engine import EngineConfig
 from decode_service.scheduler import split_by_length
 from nxdi_common.serving.worker import ModelOptions, decode_neuron_config, load_model
 
-BLOCK, BLOCKS, MAX_BATCH = 16, 2048, 16
+BLOCK, BLOCKS = 16, 2048
 
 
 def parse_mix(text: str) -> list[int]:
@@ -66,14 +66,17 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--mixes", nargs="*", default=[], type=parse_mix, metavar="NxL+NxL",
                    help="steps whose rows have different lengths, e.g. 7x256+1x2048")
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="the decode worker's --max-batch-size (largest TKG batch bucket)")
     p.add_argument("--quantize", choices=("int8",), help="int8 weights, as --quantize on a worker")
     p.add_argument("--attention-kernel", choices=("auto", "paged", "sdpa"), default="auto")
     args = p.parse_args(argv)
     opts = ModelOptions(threads=args.threads, quantize=args.quantize,
                         attention_kernel=args.attention_kernel)
-    model = load_model(opts, decode_neuron_config(opts, MAX_BATCH, BLOCKS, BLOCK))
+    model = load_model(opts, decode_neuron_config(opts, args.max_batch, BLOCKS, BLOCK))
     shapes = [[n] * b for b in args.batches for n in args.lengths] + args.mixes
-    print(f"attention: {model.attention_kernel}; TKG length buckets "
+    print(f"attention: {model.attention_kernel}; TKG batch buckets "
+          f"{model.token_generation_model.batch_buckets}, length buckets "
           f"{model.token_generation_model.length_buckets}", flush=True)
     with torch.no_grad():
         for lengths in shapes:

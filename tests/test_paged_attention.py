@@ -28,26 +28,27 @@ def op():
     return kernels.paged_attention()
 
 
-def reference(q, k_cache, v_cache, table, pos):
-    """Gather each row's blocks into [B, Hkv, W * BS, D] and run SDPA with position masking."""
+def reference(q, k_cache, v_cache, table, pos, scale=None):
+    """Gather each row's blocks into [B, Hkv, W * block size, D] and run SDPA with position
+    masking."""
     b, h, s, d = q.shape
-    length = table.shape[1] * BS
+    length = table.shape[1] * k_cache.shape[1]
     k = k_cache[table.reshape(-1)].view(b, length, -1, d).transpose(1, 2).to(q.dtype)
     v = v_cache[table.reshape(-1)].view(b, length, -1, d).transpose(1, 2).to(q.dtype)
     allowed = torch.arange(length).view(1, 1, 1, length) <= pos.view(b, 1, s, 1)
     mask = torch.where(allowed, 0.0, float("-inf")).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
 def case(seed, dtype=torch.float32, kv_dtype=None, heads=6, kv_heads=2, queries=1, dim=16,
-         width=6, num_blocks=40, positions=(0, 3, 4, 13, 23)):
+         width=6, num_blocks=40, positions=(0, 3, 4, 13, 23), block_size=BS):
     """q, caches, a shuffled block table (distinct blocks per row) and positions [B, queries]
     (each row's queries are consecutive positions ending at the given one)."""
     g = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
     b = len(positions)
-    k = torch.randn(num_blocks, BS, kv_heads, dim, generator=g).to(kv_dtype)
-    v = torch.randn(num_blocks, BS, kv_heads, dim, generator=g).to(kv_dtype)
+    k = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(kv_dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(kv_dtype)
     q = torch.randn(b, heads, queries, dim, generator=g).to(dtype)
     table = torch.randperm(num_blocks, generator=g)[:b * width].view(b, width)
     last = torch.tensor(positions).view(b, 1)
@@ -69,20 +70,41 @@ def test_equals_gather_and_sdpa(op, dtype, kv_dtype, tol, heads, kv_heads, queri
     assert (out.float() - ref.float()).abs().max() <= tol
 
 
-@pytest.mark.parametrize("dim", [24, 64])
-def test_reads_only_each_rows_own_positions(op, dim):
+# The decode worker's case (bf16, 9 query heads on 3 KV heads) at every AVX-512 head size it may
+# meet, with block sizes below, at and above 16 and positions at and around block edges.
+@pytest.mark.parametrize("block_size", [4, 16, 40])
+@pytest.mark.parametrize("dim", [64, 96, 128])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_bf16_block_sizes_equal_gather_and_sdpa(op, block_size, dim, queries):
+    q, k, v, table, pos = case(7, torch.bfloat16, heads=9, kv_heads=3, queries=queries, dim=dim,
+                               width=160 // block_size + 1, num_blocks=8 * (160 // block_size + 1) + 4,
+                               positions=(0, 15, 16, 17, 31, 47, 100, 159), block_size=block_size)
+    out = op(q, k, v, table, pos, dim ** -0.5)
+    ref = reference(q, k, v, table, pos)
+    assert (out.float() - ref.float()).abs().max() <= 2e-2
+
+
+@pytest.mark.parametrize("dtype,dim,block_size", [
+    (torch.float32, 24, BS), (torch.float32, 64, BS), (torch.bfloat16, 64, 16),
+    (torch.bfloat16, 64, 40)])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_reads_only_each_rows_own_positions(op, dtype, dim, block_size, queries):
     """NaN everywhere a row must not read (past its position in its blocks, and every block not in
-    the table) leaves the output finite and equal to the clean cache's."""
-    q, k, v, table, pos = case(2, dim=dim)
-    clean = op(q, k, v, table, pos, 0.25)
+    the table) leaves the output finite and equal to the clean cache's. With 3 queries a row's
+    earlier queries must also ignore the positions its later ones attend to."""
+    q, k, v, table, pos = case(2, dtype, dim=dim, queries=queries, block_size=block_size,
+                               width=48 // block_size + 1, num_blocks=8 * (48 // block_size + 1),
+                               positions=(0, 3, 4, 13, 23, 47))
     poisoned_k, poisoned_v = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
     for row in range(table.shape[0]):
         for p in range(int(pos[row].max()) + 1):
-            block, off = int(table[row, p // BS]), p % BS
+            block, off = int(table[row, p // block_size]), p % block_size
             poisoned_k[block, off], poisoned_v[block, off] = k[block, off], v[block, off]
     out = op(q, poisoned_k, poisoned_v, table, pos, 0.25)
     assert torch.isfinite(out).all()
-    assert torch.equal(out, clean)
+    assert torch.equal(out, op(q, k, v, table, pos, 0.25))
+    ref = reference(q, k, v, table, pos, 0.25)
+    assert (out.float() - ref.float()).abs().max() <= (2e-6 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("dim", [24, 64])

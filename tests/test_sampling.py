@@ -109,6 +109,27 @@ def test_top_k_one_is_argmax():
     assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
+def test_greedy_rows_break_ties_like_argmax():
+    # bf16 logits tie often; greedy rows come from the top-K candidates and must still pick
+    # argmax's first index among the tied maxima, in eager and traced graphs.
+    logits = torch.zeros(6, 3000)
+    for row, ids in enumerate([[7], [2999, 5], [40, 41, 39], [1000, 3, 2000], [0, 2999], [17]]):
+        logits[row, ids] = 2.0
+    logits[5] = 1.0  # every logit tied: more maxima than the K candidates
+    params = prepare_sampling_params(6, top_k=1, temperature=0.0)
+    rand = torch.rand(6)
+    sampler = Sampler(_config(dynamic=True))
+    tokens = sampler(logits, params, rand)
+    assert tokens[:5].tolist() == [7, 5, 39, 3, 0] == logits[:5].argmax(dim=-1).tolist()
+    # Past K tied maxima the row still gets one of its maxima (which one is not argmax's rule).
+    assert 0 <= int(tokens[5]) < 3000 and logits[5, tokens[5]] == logits[5].max()
+    logits = logits[:5]
+    params, rand = params[:5], rand[:5]
+    traced = torch.jit.trace(sampler, (logits, params, rand))
+    shuffled = logits[:, torch.randperm(3000, generator=torch.Generator().manual_seed(5))]
+    assert torch.equal(traced(shuffled, params, rand), shuffled.argmax(dim=-1))
+
+
 def test_greedy_and_sampled_rows_mix_in_one_batch():
     logits = _known_logits().expand(4, -1)
     params = prepare_sampling_params(4, top_k=[1, 0, 0, 0], temperature=[1.0, 0.0, 1.0, 1.0])
