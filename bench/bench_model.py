@@ -2,6 +2,11 @@
 same checkpoint, same dtype, same threads, in one run. Prints a Markdown table and writes JSON.
 
     .venv/bin/python bench/bench_model.py --dtype bfloat16 --int8 --out results/bench_model.json
+    .venv/bin/python bench/bench_model.py --kv-layout block ...   # as the decode workers run
+
+--kv-layout block: the block KV cache (16-token blocks, contiguous per row) with the paged
+attention kernel where it builds (cpu_attention_kernel "auto"), instead of the flat per-row cache
+whose decode attention is SDPA over the whole 640-token bucket.
 
 Figures: prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1 and aggregate at batch
 16 (128 new tokens); the memory-bandwidth bound (weight bytes / measured read bandwidth); peak
@@ -19,6 +24,7 @@ from pathlib import Path
 import torch
 
 PROMPT_LEN, NEW_TOKENS, BIG_BATCH = 512, 128, 16
+BLOCK_SIZE = 16
 
 
 def read_bandwidth_gbs(size_mib: int = 1024, repeats: int = 7) -> float:
@@ -57,20 +63,27 @@ def _median_time(fn, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def build_ours(model_dir: str, dtype, batch: int, compiled_root: Path, int8: bool = False):
+def build_ours(model_dir: str, dtype, batch: int, compiled_root: Path, int8: bool = False,
+               kv_layout: str = "flat"):
     """Compiled and loaded; with int8, weights quantized per channel (written once)."""
     from nxdi_common.config import NeuronConfig
     from nxdi_common.models.llama import NeuronLlamaForCausalLM
     quant = dict(quantized=True, quantization_type="per_channel_symmetric",
                  quantized_checkpoints_path=str(compiled_root / "int8-per-channel")) if int8 else {}
+    layout = {}
+    if kv_layout == "block":
+        blocks_per_row = -(-(PROMPT_LEN + NEW_TOKENS) // BLOCK_SIZE)
+        layout = dict(is_block_kv_layout=True, pa_block_size=BLOCK_SIZE,
+                      pa_num_blocks=batch * blocks_per_row, cpu_attention_kernel="auto")
     nc = NeuronConfig(batch_size=batch, seq_len=PROMPT_LEN + NEW_TOKENS, torch_dtype=dtype,
                       enable_bucketing=True, context_encoding_buckets=[PROMPT_LEN],
                       token_generation_buckets=[PROMPT_LEN + NEW_TOKENS], backend="cpu",
-                      fused_qkv=True, **quant)
+                      fused_qkv=True, **quant, **layout)
     model = NeuronLlamaForCausalLM(model_dir, neuron_config=nc)
     if int8 and not Path(quant["quantized_checkpoints_path"]).is_dir():
         NeuronLlamaForCausalLM.save_quantized_state_dict(model_dir, model.config)
-    path = compiled_root / f"b{batch}-{str(dtype).split('.')[-1]}{'-int8' if int8 else ''}"
+    path = compiled_root / (f"b{batch}-{str(dtype).split('.')[-1]}{'-int8' if int8 else ''}"
+                            f"{'-block' if kv_layout == 'block' else ''}")
     model.compile(str(path))
     model.load(str(path))
     return model, path
@@ -152,6 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="results/bench_model.json")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--kv-layout", choices=("flat", "block"), default="flat",
+                   help="our KV cache: flat rows, or blocks with the paged attention kernel")
     p.add_argument("--int8", action="store_true",
                    help="also measure int8 weights (per-channel, torch's weight-only int8 kernel)")
     args = p.parse_args(argv)
@@ -162,15 +177,17 @@ def main(argv=None) -> int:
     model_dir = args.model or str(prepare_bundled_model())
     dtype = getattr(torch, args.dtype)
     compiled_root = Path(args.out).parent / "compiled"
-    res = {"dtype": args.dtype, "threads": args.threads, "torch": torch.__version__}
+    res = {"dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
+           "kv_layout": args.kv_layout}
     res["read_bandwidth_gbs"] = read_bandwidth_gbs()
     res["weight_bytes"] = weight_bytes(model_dir, dtype)
     res["bound_tok_s"] = res["read_bandwidth_gbs"] * 1e9 / res["weight_bytes"]
-    ours, path1 = speed_figures(model_dir, dtype, compiled_root)
+    ours, path1 = speed_figures(model_dir, dtype, compiled_root, kv_layout=args.kv_layout)
     ours.update(load_memory(model_dir, path1))
     res["nxdi"] = ours
     if args.int8:
-        res["nxdi_int8"] = speed_figures(model_dir, dtype, compiled_root, int8=True)[0]
+        res["nxdi_int8"] = speed_figures(model_dir, dtype, compiled_root, int8=True,
+                                         kv_layout=args.kv_layout)[0]
     if not args.skip_hf:
         res["transformers"] = hf_figures(model_dir, dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -179,13 +196,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def speed_figures(model_dir: str, dtype, compiled_root: Path, int8: bool = False):
+def speed_figures(model_dir: str, dtype, compiled_root: Path, int8: bool = False,
+                  kv_layout: str = "flat"):
     """(prefill and decode tokens/s, the batch-1 compiled folder) of our model."""
-    model, path1 = build_ours(model_dir, dtype, 1, compiled_root, int8)
+    model, path1 = build_ours(model_dir, dtype, 1, compiled_root, int8, kv_layout)
     out = {"prefill_tok_s": ours_prefill(model),
            "decode_b1_tok_s": max(ours_decode(model, 1) for _ in range(2))}
     del model
-    model, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root, int8)
+    model, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root, int8, kv_layout)
     out[f"decode_b{BIG_BATCH}_tok_s"] = ours_decode(model, BIG_BATCH)
     return out, path1
 
@@ -205,7 +223,7 @@ def markdown(res: dict) -> str:
         if int8:
             line += f" {int8[key]:.1f} | {int8[key] / h:.2f}x |" if h else f" {int8[key]:.1f} | - |"
         lines.append(line)
-    lines.append(f"\nread bandwidth {res['read_bandwidth_gbs']:.1f} GB/s; weights "
+    lines.append(f"\nour KV layout: {res.get('kv_layout', 'flat')}; read bandwidth {res['read_bandwidth_gbs']:.1f} GB/s; weights "
                  f"{res['weight_bytes'] / 1e6:.0f} MB; bound {res['bound_tok_s']:.1f} tok/s; "
                  f"batch-1 decode = {ours['decode_b1_tok_s'] / res['bound_tok_s']:.0%} of bound; "
                  f"batch-{BIG_BATCH} / batch-1 = "
