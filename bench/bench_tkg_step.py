@@ -2,7 +2,7 @@
 
     python bench/bench_tkg_step.py [--threads 1] [--batches 1 8 16] [--lengths 256 1024 2048]
                                    [--mixes 7x256+1x2048 ...] [--quantize int8]
-                                   [--attention-kernel auto|paged|sdpa]
+                                   [--attention-kernel auto|paged|sdpa] [--kv-cache-dtype fp8]
 
 Loads the bundled model as the decode worker does (block KV cache, bf16, compiled backend,
 max batch 16 unless --max-batch, 2048 blocks of 16 tokens) and times one decode step for every (batch, length):
@@ -70,9 +70,12 @@ def main(argv=None) -> int:
                    help="the decode worker's --max-batch-size (largest TKG batch bucket)")
     p.add_argument("--quantize", choices=("int8",), help="int8 weights, as --quantize on a worker")
     p.add_argument("--attention-kernel", choices=("auto", "paged", "sdpa"), default="auto")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="as --kv-cache-dtype on a worker")
     args = p.parse_args(argv)
     opts = ModelOptions(threads=args.threads, quantize=args.quantize,
-                        attention_kernel=args.attention_kernel)
+                        attention_kernel=args.attention_kernel,
+                        kv_cache_dtype=args.kv_cache_dtype)
     model = load_model(opts, decode_neuron_config(opts, args.max_batch, BLOCKS, BLOCK))
     shapes = [[n] * b for b in args.batches for n in args.lengths] + args.mixes
     print(f"attention: {model.attention_kernel}; TKG batch buckets "

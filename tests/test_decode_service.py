@@ -305,3 +305,55 @@ def test_short_and_long_sequences_decode_together_and_match_transformers(decode_
     calls = values["nxdi_token_generation_calls_total"]
     assert steps >= 16
     assert calls > steps if kernel == "sdpa" else calls == steps
+
+
+# ---------------------------------------------------------------------------------------------
+# A float8 KV cache (--kv-cache-dtype fp8) on both workers
+# ---------------------------------------------------------------------------------------------
+
+FP8_ARGS = ("--dtype", "float32", "--backend", "eager", "--threads", "1",
+            "--max-model-len", MAX_LEN, "--kv-cache-dtype", "fp8")
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(spawn_module, tiny_chat_model):
+    prefill = spawn_module("prefill_service", "--model", tiny_chat_model, *FP8_ARGS)
+    decode = spawn_module("decode_service", "--model", tiny_chat_model, *FP8_ARGS,
+                          "--kv-blocks", 24, "--block-size", 16, "--max-batch-size", 4)
+    return prefill, decode
+
+
+def _kv_bytes_received(service) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"http://{service.info['metrics']}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "nxdi_kv_transfer_bytes_total")
+
+
+def test_fp8_kv_moves_as_fp8_and_decodes_like_local_prefill(fp8_pair):
+    """The prompt's KV crosses as one byte per value (2 layers x K,V x 2 KV heads x 16 dims = 128
+    bytes a token, a quarter of float32), lands in the decode worker's float8 cache unchanged, and
+    the tokens equal those of a local prefill on the same worker (same cache contents)."""
+    prefill, decode = fp8_pair
+    ids = list(range(200, 237))
+    before = _kv_bytes_received(decode)
+    remote = request("fp8-remote", ids, 10)
+    remote.prefill_candidates.append(prefill.grpc)
+    remote_tokens = [e.token_id for e in run(collect(decode.grpc, remote))]
+    assert _kv_bytes_received(decode) - before == len(ids) * 128
+    local_tokens = [e.token_id for e in run(collect(decode.grpc, request("fp8-local", ids, 10)))]
+    assert remote_tokens == local_tokens and len(remote_tokens) == 10
+    wait_for_idle(decode.grpc)
+
+
+def test_fp8_and_full_precision_workers_refuse_each_other(fp8_pair, decode):
+    """A decode worker keeping float32 KV refuses a prefill worker that sends float8, with
+    FAILED_PRECONDITION naming the KV quantization; nothing stays reserved."""
+    prefill, _ = fp8_pair
+    req = request("fp8-mismatch", [5, 6, 7, 8], 2)
+    req.prefill_candidates.append(prefill.grpc)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(collect(decode.grpc, req))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "quant" in err.value.details()
+    wait_for_idle(decode.grpc)

@@ -218,3 +218,21 @@ def test_compiled_paged_graphs_load_in_a_fresh_process(tiny_llama_ckpt, tmp_path
     paged = NeuronLlamaForCausalLM(tiny_llama_ckpt, config=LlamaInferenceConfig.load(folder))
     with pytest.raises(ValueError, match="compiled for 'sdpa' token-generation attention"):
         paged.load(sdpa_folder)
+
+
+@pytest.mark.parametrize("dim", [24, 64])  # portable and AVX-512 conversions
+def test_every_float8_value_reads_exactly(op, dim):
+    """All 256 float8_e4m3fn codes (subnormals, zeros, the largest 448, NaN) come out of an fp8
+    cache as torch's own float conversion gives them: with one cached position the output is
+    that position's V row."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    rows = -(-256 // dim)
+    v = torch.zeros(rows + 1, 1, 1, dim, dtype=torch.uint8)
+    v.view(-1)[:256] = codes.view(torch.uint8)
+    v = v.view(torch.float8_e4m3fn)
+    k = torch.zeros_like(v)
+    q = torch.zeros(rows, 1, 1, dim)
+    out = op(q, k, v, torch.arange(rows).view(rows, 1), torch.zeros(rows, 1, dtype=torch.long), 1.0)
+    got, want = out.reshape(-1)[:256], codes.float()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got[~torch.isnan(want)], want[~torch.isnan(want)])  # -0 sums to +0

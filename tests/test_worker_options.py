@@ -71,3 +71,17 @@ def test_attention_kernel_option_shapes_the_decode_config():
     args = model_args(spec, threads=1)
     assert args[args.index("--attention-kernel") + 1] == "sdpa"
     assert "--attention-kernel" not in model_args(LaunchSpec(), threads=1)
+
+
+def test_kv_cache_dtype_option_reaches_both_workers_and_the_launcher():
+    """--kv-cache-dtype fp8 turns on the float8_e4m3fn KV cache (kv_cache_quant) of prefill and
+    decode workers alike; the launcher passes it to every service; a bad value names the field."""
+    fp8 = _parse("--kv-cache-dtype", "fp8")
+    assert worker.decode_neuron_config(fp8, 4, 64, 16).kv_cache_quant
+    assert worker.prefill_neuron_config(fp8, 2, 1).kv_cache_quant
+    assert not worker.decode_neuron_config(_parse(), 4, 64, 16).kv_cache_quant
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        worker.ModelOptions(kv_cache_dtype="int4")
+    args = model_args(LaunchSpec(kv_cache_dtype="fp8"), threads=1)
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    assert "--kv-cache-dtype" not in model_args(LaunchSpec(), threads=1)

@@ -77,10 +77,19 @@ inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// float8_e4m3fn (sign, 4 exponent bits biased by 7, 3 mantissa bits): its 7 magnitude bits moved
+// to the top of an fp32's exponent and mantissa read as that value times 2^-120, normals and
+// subnormals alike (the fp32 is then subnormal or small, multiplied exactly); then the sign, and
+// NaN for the magnitude 0x7F (e4m3fn has no infinities).
 inline __m512 load16(const c10::Float8_e4m3fn* p) {
-  alignas(64) float tmp[16];
-  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
-  return _mm512_load_ps(tmp);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
+  __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)),
+                           _mm512_set1_ps(0x1p120f));
+  f = _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(f), _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24)));
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F));
+  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 }
 
 // e^x for x <= 0 (softmax after subtracting the maximum): x = n ln2 + r, |r| <= ln2 / 2,

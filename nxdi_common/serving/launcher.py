@@ -31,7 +31,7 @@ POLICIES = ("least-loaded", "round-robin", "prefix-affinity")
 # The options of each service's command line, as this launcher and deploy/ use them (tests check
 # the manifests against this); MODEL_FLAGS (worker.add_model_args) are common to all three.
 MODEL_FLAGS = ("--model", "--dtype", "--max-model-len", "--backend", "--compiled-root", "--threads",
-               "--quantize", "--context-buckets", "--attention-kernel")
+               "--quantize", "--context-buckets", "--attention-kernel", "--kv-cache-dtype")
 SERVICE_FLAGS = {
     "prefill": ("--host", "--port", "--metrics-port", "--max-batch-size", "--ctx-batch-size"),
     "decode": ("--host", "--port", "--metrics-port", "--max-batch-size", "--kv-blocks",
@@ -60,6 +60,7 @@ class LaunchSpec:
     quantize: str | None = None  # "int8" (worker.QUANTIZE) or None
     context_buckets: tuple[int, ...] | None = None  # workers' CTE buckets (None: worker default)
     attention_kernel: str = "auto"  # decode workers' TKG attention: auto | paged | sdpa
+    kv_cache_dtype: str = "auto"  # every worker's KV cache: auto (the dtype) | fp8
     prefill_workers: int = 1
     decode_workers: int = 1
     host: str = "127.0.0.1"
@@ -134,6 +135,8 @@ def model_args(spec: LaunchSpec, threads: int | None) -> list[str]:
         args += ["--context-buckets", ",".join(map(str, spec.context_buckets))]
     if spec.attention_kernel != "auto":
         args += ["--attention-kernel", spec.attention_kernel]
+    if spec.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", spec.kv_cache_dtype]
     if threads is not None:
         args += ["--threads", str(threads)]
     return args
@@ -296,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="workers' prompt-length buckets, ending at --max-model-len")
     g.add_argument("--attention-kernel", choices=("auto", "paged", "sdpa"), default="auto",
                    help="decode attention: paged C++ kernel, gather + torch SDPA, or auto")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="every worker's KV cache (and the KV sent between them): the model's "
+                        "dtype, or float8_e4m3fn (half the bytes, slightly less accurate)")
     g = p.add_argument_group("services")
     g.add_argument("--policy", choices=POLICIES, help="router's decode-worker policy")
     for role in ROLES:
@@ -318,7 +324,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         model=args.model, dtype=args.dtype, backend=args.backend,
         max_model_len=args.max_model_len, compiled_root=args.compiled_root,
         quantize=args.quantize, context_buckets=args.context_buckets,
-        attention_kernel=args.attention_kernel,
+        attention_kernel=args.attention_kernel, kv_cache_dtype=args.kv_cache_dtype,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         threads=args.threads, cpus=parse_cpus(args.cpus),

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16")
 QUANTIZE = ("int8",)
 ATTENTION_KERNELS = ("auto", "paged", "sdpa")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ModelOptions:
     quantize: str | None = None  # "int8": weights int8 per output channel; None: dtype weights
     context_buckets: tuple[int, ...] | None = None  # CTE lengths; None: quartered_buckets()
     attention_kernel: str = "auto"  # decode's TKG attention (NeuronConfig.cpu_attention_kernel)
+    kv_cache_dtype: str = "auto"  # "fp8": float8_e4m3fn KV cache (kv_cache_quant); auto: dtype
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -49,6 +51,9 @@ class ModelOptions:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, "
                              f"got {self.attention_kernel!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.context_buckets is not None:
             validate_buckets(self.context_buckets, self.max_model_len, "context_buckets",
                              "max_model_len")
@@ -95,13 +100,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="decode attention: paged (C++ kernel reading each sequence's KV blocks in "
                         "place; built once per machine), sdpa (gather the blocks, torch SDPA), "
                         "auto (paged where it builds)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="fp8: keep (and send) the KV cache as float8_e4m3fn, half the bytes of "
+                        "bf16: twice the cached tokens per block pool and less to read per "
+                        "decode step, slightly less accurate; prefill and decode workers must "
+                        "agree (the model fingerprint checks it); auto: the model's dtype")
 
 
 def model_options_from_args(args) -> ModelOptions:
     return ModelOptions(args.model, args.dtype, args.max_model_len, args.backend,
                         args.compiled_root, args.threads, getattr(args, "quantize", None),
                         getattr(args, "context_buckets", None),
-                        getattr(args, "attention_kernel", "auto"))
+                        getattr(args, "attention_kernel", "auto"),
+                        getattr(args, "kv_cache_dtype", "auto"))
 
 
 
@@ -136,6 +147,8 @@ def _neuron_config(opts: ModelOptions, **kwargs):
     # two would run a 1025-token prompt as 2048, twice the prefill time).
     kwargs["context_encoding_buckets"] = list(opts.context_buckets or
                                               quartered_buckets(128, opts.max_model_len))
+    if opts.kv_cache_dtype == "fp8":
+        kwargs["kv_cache_quant"] = True
     if opts.quantize:
         kwargs.update(quantized=True, quantization_dtype=opts.quantize,
                       quantization_type="per_channel_symmetric",
