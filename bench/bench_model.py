@@ -223,7 +223,8 @@ def markdown(res: dict) -> str:
         if int8:
             line += f" {int8[key]:.1f} | {int8[key] / h:.2f}x |" if h else f" {int8[key]:.1f} | - |"
         lines.append(line)
-    lines.append(f"\nour KV layout: {res.get('kv_layout', 'flat')}; read bandwidth {res['read_bandwidth_gbs']:.1f} GB/s; weights "
+    lines.append(f"\nour KV layout: {res.get('kv_layout', 'flat')}; "
+                 f"read bandwidth {res['read_bandwidth_gbs']:.1f} GB/s; weights "
                  f"{res['weight_bytes'] / 1e6:.0f} MB; bound {res['bound_tok_s']:.1f} tok/s; "
                  f"batch-1 decode = {ours['decode_b1_tok_s'] / res['bound_tok_s']:.0%} of bound; "
                  f"batch-{BIG_BATCH} / batch-1 = "

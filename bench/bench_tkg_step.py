@@ -5,11 +5,11 @@
                                    [--attention-kernel auto|paged|sdpa] [--kv-cache-dtype fp8]
 
 Loads the bundled model as the decode worker does (block KV cache, bf16, compiled backend,
-max batch 16 unless --max-batch, 2048 blocks of 16 tokens) and times one decode step for every (batch, length):
-every row attends over `length` cached positions; and for every mix (rows of different lengths,
-e.g. 7x256+1x2048). A step runs as the decode engine runs it: one TKG call, or with sdpa
-attention the short and long rows as two calls when split_by_length finds that cheaper. Median
-of 5 after 2 warm-up steps."""
+max batch 16 unless --max-batch, 2048 blocks of 16 tokens) and times one decode step for every
+(batch, length): every row attends over `length` cached positions; and for every mix (rows of
+different lengths, e.g. 7x256+1x2048). A step runs as the decode engine runs it: one TKG call,
+or with sdpa attention the short and long rows as two calls when split_by_length finds that
+cheaper. Median of 5 after 2 warm-up steps."""
 from __future__ import annotations
 
 import argparse

@@ -76,8 +76,9 @@ def test_equals_gather_and_sdpa(op, dtype, kv_dtype, tol, heads, kv_heads, queri
 @pytest.mark.parametrize("dim", [64, 96, 128])
 @pytest.mark.parametrize("queries", [1, 3])
 def test_bf16_block_sizes_equal_gather_and_sdpa(op, block_size, dim, queries):
+    width = 160 // block_size + 1
     q, k, v, table, pos = case(7, torch.bfloat16, heads=9, kv_heads=3, queries=queries, dim=dim,
-                               width=160 // block_size + 1, num_blocks=8 * (160 // block_size + 1) + 4,
+                               width=width, num_blocks=8 * width + 4,
                                positions=(0, 15, 16, 17, 31, 47, 100, 159), block_size=block_size)
     out = op(q, k, v, table, pos, dim ** -0.5)
     ref = reference(q, k, v, table, pos)

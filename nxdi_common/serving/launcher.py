@@ -301,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode attention: paged C++ kernel, gather + torch SDPA, or auto")
     g.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="every worker's KV cache (and the KV sent between them): the model's "
-                        "dtype, or float8_e4m3fn (half the bytes, slightly less accurate)")
+                        "dtype, or float8_e4m3fn (half the bytes of bf16, slightly less "
+                        "accurate, slower decode steps on CPU)")
     g = p.add_argument_group("services")
     g.add_argument("--policy", choices=POLICIES, help="router's decode-worker policy")
     for role in ROLES:

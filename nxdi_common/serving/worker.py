@@ -102,9 +102,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "auto (paged where it builds)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="fp8: keep (and send) the KV cache as float8_e4m3fn, half the bytes of "
-                        "bf16: twice the cached tokens per block pool and less to read per "
-                        "decode step, slightly less accurate; prefill and decode workers must "
-                        "agree (the model fingerprint checks it); auto: the model's dtype")
+                        "bf16: twice the cached tokens per block pool, slightly less accurate, "
+                        "and on CPU slower decode steps than bf16 (BENCHMARKS.md); prefill and "
+                        "decode workers must agree (the model fingerprint checks it); auto: the "
+                        "model's dtype")
 
 
 def model_options_from_args(args) -> ModelOptions:
