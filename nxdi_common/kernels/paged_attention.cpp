@@ -38,9 +38,11 @@ struct Shapes {
   int64_t batch, heads, queries, dim, kv_heads, block_size, num_blocks, table_width;
 };
 
-// The arithmetic on one head_dim-long row (a query, a K or V row, an accumulator), as `Ops`:
-// Row, load(src, row), dot(a, b), axpy(p, x, y), zero(row), store(row, float*), and softmax of a
-// score array in place (returning 1 / the sum). Portable C++ for any head_dim; AVX-512 for
+// The arithmetic, as `Ops`: a head_dim-long float32 Row (a query, an accumulator) with load(src,
+// row), zero(row) and store(row, float*); widen(src, stride, count, tile): up to 16 K or V rows of
+// the cache into a float32 tile; scores_tile (a query's scaled dot products with a tile's rows);
+// accumulate_tile (a tile's rows weighted by probabilities, into an accumulator); and softmax of
+// a score array in place (returning 1 / the sum). Portable C++ for any head_dim; AVX-512 for
 // head_dim = 16 * NV.
 constexpr int64_t kMaxPortableDim = 512;
 
@@ -50,16 +52,26 @@ struct PortableOps {
   template <typename T> void load(const T* src, Row& r) const {
     for (int64_t i = 0; i < d; ++i) r.v[i] = to_float(src[i]);
   }
-  float dot(const Row& a, const Row& b) const {
-    float acc = 0.f;
-    for (int64_t i = 0; i < d; ++i) acc += a.v[i] * b.v[i];
-    return acc;
-  }
-  void axpy(float p, const Row& x, Row& y) const {
-    for (int64_t i = 0; i < d; ++i) y.v[i] += p * x.v[i];
-  }
   void zero(Row& r) const { std::fill(r.v, r.v + d, 0.f); }
   void store(const Row& r, float* out) const { std::copy(r.v, r.v + d, out); }
+  // A tile: up to 16 cache rows (K or V of one head, `stride` elements apart) as float32, d apart.
+  template <typename T> void widen(const T* src, int64_t stride, int64_t count, float* dst) const {
+    for (int64_t o = 0; o < count; ++o)
+      for (int64_t i = 0; i < d; ++i) dst[o * d + i] = to_float(src[o * stride + i]);
+  }
+  // sc[o] = dot(q, tile row o) * scale for o < count.
+  void scores_tile(const float* tile, int64_t count, const Row& q, float scale, float* sc) const {
+    for (int64_t o = 0; o < count; ++o) {
+      float a = 0.f;
+      for (int64_t i = 0; i < d; ++i) a += q.v[i] * tile[o * d + i];
+      sc[o] = a * scale;
+    }
+  }
+  // acc += sum over o < count of p[o] * tile row o.
+  void accumulate_tile(const float* tile, int64_t count, const float* p, Row& acc) const {
+    for (int64_t o = 0; o < count; ++o)
+      for (int64_t i = 0; i < d; ++i) acc.v[i] += p[o] * tile[o * d + i];
+  }
   float softmax(float* sc, int64_t len) const {
     const float mx = *std::max_element(sc, sc + len);
     float sum = 0.f;
@@ -112,21 +124,72 @@ struct Avx512Ops {
   template <typename T> void load(const T* src, Row& r) const {
     for (int j = 0; j < NV; ++j) r.v[j] = load16(src + 16 * j);
   }
-  float dot(const Row& a, const Row& b) const {
-    __m512 acc = _mm512_mul_ps(a.v[0], b.v[0]);
-    for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(a.v[j], b.v[j], acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-  void axpy(float p, const Row& x, Row& y) const {
-    const __m512 vp = _mm512_set1_ps(p);
-    for (int j = 0; j < NV; ++j) y.v[j] = _mm512_fmadd_ps(vp, x.v[j], y.v[j]);
-  }
   void zero(Row& r) const { for (int j = 0; j < NV; ++j) r.v[j] = _mm512_setzero_ps(); }
+  template <typename T> void widen(const T* src, int64_t stride, int64_t count, float* dst) const {
+    for (int64_t o = 0; o < count; ++o)
+      for (int j = 0; j < NV; ++j)
+        _mm512_store_ps(dst + (o * NV + j) * 16, load16(src + o * stride + 16 * j));
+  }
+  void scores_tile(const float* tile, int64_t count, const Row& q, float scale, float* sc) const {
+    auto dot_row = [&](int64_t o) {
+      const float* t = tile + o * NV * 16;
+      __m512 a = _mm512_mul_ps(q.v[0], _mm512_loadu_ps(t));
+      for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(q.v[j], _mm512_loadu_ps(t + 16 * j), a);
+      return a;
+    };
+    if (count == 16) {  // 16 dot products' lanes summed together: one transposing reduction
+      __m512 a[16];
+      for (int o = 0; o < 16; ++o) a[o] = dot_row(o);
+      __m512 b[8], c[4], e[2];
+      for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0 even, a1 even, a0 odd, a1 odd] sums
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+      for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum for 4 rows
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+      }
+      for (int i = 0; i < 2; ++i)  // lanes 0+1 and 2+3 of two rows-of-4 each
+        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+      const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88),
+                                     _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
+      _mm512_storeu_ps(sc, _mm512_mul_ps(r, _mm512_set1_ps(scale)));
+      return;
+    }
+    for (int64_t o = 0; o < count; ++o) sc[o] = _mm512_reduce_add_ps(dot_row(o)) * scale;
+  }
+  void accumulate_tile(const float* tile, int64_t count, const float* p, Row& acc) const {
+    // Two sets of sums (even and odd rows): twice the independent FMA chains.
+    __m512 a[NV], e[NV];
+    for (int j = 0; j < NV; ++j) a[j] = acc.v[j], e[j] = _mm512_setzero_ps();
+    int64_t o = 0;
+    for (; o + 2 <= count; o += 2) {
+      const __m512 w0 = _mm512_set1_ps(p[o]), w1 = _mm512_set1_ps(p[o + 1]);
+      for (int j = 0; j < NV; ++j) {
+        a[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(tile + (o * NV + j) * 16), a[j]);
+        e[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(tile + ((o + 1) * NV + j) * 16), e[j]);
+      }
+    }
+    if (o < count) {
+      const __m512 w0 = _mm512_set1_ps(p[o]);
+      for (int j = 0; j < NV; ++j)
+        a[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(tile + (o * NV + j) * 16), a[j]);
+    }
+    for (int j = 0; j < NV; ++j) acc.v[j] = _mm512_add_ps(a[j], e[j]);
+  }
   void store(const Row& r, float* out) const {
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + 16 * j, r.v[j]);
   }
   float softmax(float* sc, int64_t len) const {
-    const __m512 vmx = _mm512_set1_ps(*std::max_element(sc, sc + len));
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sc + i));
+    if (i < len) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (len - i)) - 1);
+      vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, sc + i));
+    }
+    const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 vsum = _mm512_setzero_ps();
     int64_t t = 0;
     for (; t + 16 <= len; t += 16) {
@@ -170,34 +233,62 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
                 "in the block table's 0..", limit - 1, ", got ", last[qi]);
     n = std::max(n, last[qi] + 1);
   }
-  // Positions go block by block (t = first + o): no division per token.
-  auto for_each_token = [&](const kv_t* cache, auto&& visit) {
-    for (int64_t first = 0; first < n; first += s.block_size) {
-      const int64_t block = table[b * s.table_width + first / s.block_size];
-      TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_decode_attention: block ids must "
-                  "lie in the cache's 0..", s.num_blocks - 1, ", got ", block);
-      const kv_t* base = cache + block * s.block_size * token_stride;
-      const int64_t count = std::min(s.block_size, n - first);
-      for (int64_t o = 0; o < count; ++o) visit(first + o, base + o * token_stride);
+  // Block by block, the next block prefetched; in a block, each KV head's rows 16 at a time are
+  // widened to float32 once for all of its queries. Scores past a query's own position are
+  // computed but never read; values are accumulated only up to each query's own position (past it
+  // the cache may hold anything).
+  constexpr int64_t kTile = 16;
+  // visit(first, count, base, next): the block of positions first.., its count positions at
+  // base, and the next block's base (nullptr after the last) to prefetch from.
+  auto for_each_block = [&](const kv_t* cache, auto&& visit) {
+    for (int64_t first = 0, i = 0; first < n; first += s.block_size, ++i) {
+      const kv_t* at_block[2] = {nullptr, nullptr};
+      for (int64_t j = 0; j < 2 && first + j * s.block_size < n; ++j) {
+        const int64_t block = table[b * s.table_width + i + j];
+        TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_decode_attention: block ids must "
+                    "lie in the cache's 0..", s.num_blocks - 1, ", got ", block);
+        at_block[j] = cache + block * s.block_size * token_stride;
+      }
+      visit(first, std::min(s.block_size, n - first), at_block[0], at_block[1]);
     }
   };
-  std::vector<float> scores(nq * n);
-  Row row;
-  for_each_token(kc, [&](int64_t t, const kv_t* token) {
-    for (int64_t hk = hk0; hk < hk1; ++hk) {
-      ops.load(token + hk * d, row);
-      for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
-        if (t <= last[qi]) scores[qi * n + t] = ops.dot(qv[qi], row) * scale;
+  // Head hk's rows t0..t0+m of the next block, into the cache ahead of their use.
+  auto prefetch = [&](const kv_t* next, int64_t hk, int64_t t0, int64_t m) {
+    if (next == nullptr) return;
+    const int64_t row_bytes = d * static_cast<int64_t>(sizeof(kv_t));
+    for (int64_t o = t0; o < t0 + m; ++o) {
+      const char* p = reinterpret_cast<const char*>(next + o * token_stride + hk * d);
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
     }
+  };
+  // The tile is 64-byte aligned: unaligned vector stores and reloads of it cost a third more.
+  std::vector<float> scores(nq * n), tile_store(kTile * d + 16);
+  float* const tile_p = tile_store.data() +
+      (16 - reinterpret_cast<uintptr_t>(tile_store.data()) / sizeof(float) % 16) % 16;
+  for_each_block(kc, [&](int64_t first, int64_t count, const kv_t* base, const kv_t* next) {
+    for (int64_t hk = hk0; hk < hk1; ++hk)
+      for (int64_t t0 = 0; t0 < count; t0 += kTile) {
+        const int64_t m = std::min(kTile, count - t0);
+        prefetch(next, hk, t0, m);
+        ops.widen(base + t0 * token_stride + hk * d, token_stride, m, tile_p);
+        for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
+          ops.scores_tile(tile_p, m, qv[qi], scale, scores.data() + qi * n + first + t0);
+      }
   });
   std::vector<float> inv_sum(nq);
   for (int64_t qi = 0; qi < nq; ++qi) inv_sum[qi] = ops.softmax(scores.data() + qi * n, last[qi] + 1);
-  for_each_token(vc, [&](int64_t t, const kv_t* token) {
-    for (int64_t hk = hk0; hk < hk1; ++hk) {
-      ops.load(token + hk * d, row);
-      for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
-        if (t <= last[qi]) ops.axpy(scores[qi * n + t], row, acc[qi]);
-    }
+  for_each_block(vc, [&](int64_t first, int64_t count, const kv_t* base, const kv_t* next) {
+    for (int64_t hk = hk0; hk < hk1; ++hk)
+      for (int64_t t0 = 0; t0 < count; t0 += kTile) {
+        const int64_t m = std::min(kTile, count - t0);
+        prefetch(next, hk, t0, m);
+        ops.widen(base + t0 * token_stride + hk * d, token_stride, m, tile_p);
+        for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
+          const int64_t use = std::min(m, last[qi] + 1 - first - t0);
+          if (use > 0)
+            ops.accumulate_tile(tile_p, use, scores.data() + qi * n + first + t0, acc[qi]);
+        }
+      }
   });
   std::vector<float> tmp(d);
   for (int64_t qi = 0; qi < nq; ++qi) {
