@@ -16,7 +16,8 @@ from nxdi_common.backends.compile_cache import CompileCache, cache_key, code_fin
 from nxdi_common.backends.cpu import EagerBackend, TracedCPUBackend
 from nxdi_common.backends.weights import unique_parameters, weights_tuple
 from nxdi_common.config import CONFIG_FILE, InferenceConfig, load_pretrained_config
-from nxdi_common.kernels import PAGED, SDPA, paged_attention, paged_attention_unavailable_reason
+from nxdi_common.kernels import (FUSED, PAGED, SDPA, TORCH_OPS, fused_ops, kernels_unavailable_reason,
+                                 paged_attention)
 from nxdi_common.modules import quantization
 from nxdi_common.modules.linear import ONEDNN, PLAIN, onednn_unavailable_reason, pack_linear_weights
 
@@ -55,6 +56,7 @@ class NeuronApplicationBase(nn.Module):
         self.weights: tuple = ()
         self.weight_layout = PLAIN  # of the linear weights: PLAIN or ONEDNN (modules/linear.py)
         self.attention_kernel = SDPA  # of token generation: SDPA or PAGED (kernels/)
+        self.fused_ops = TORCH_OPS  # RMSNorm, RoPE, silu * up: TORCH_OPS or FUSED (kernels/)
         self.compile_cache = CompileCache(enabled=True)
 
     @classmethod
@@ -202,11 +204,25 @@ class NeuronApplicationBase(nn.Module):
         return _resolve_cpu_option(
             backend_name, "cpu_attention_kernel", nc.cpu_attention_kernel, PAGED, SDPA,
             applies=nc.is_block_kv_layout, auto_wants=True,
-            unavailable=paged_attention_unavailable_reason)
+            unavailable=kernels_unavailable_reason)
 
     def _apply_attention_kernel(self, kernel: str) -> None:
         self._model.kv_mgr.paged_attention = paged_attention() if kernel == PAGED else None
         self.attention_kernel = kernel
+
+    def resolve_fused_ops(self, backend_name: str) -> str:
+        """RMSNorm, RoPE and silu * up for a backend: FUSED (one C++ op each) on the CPU backends
+        when neuron_config.cpu_fused_ops asks for it ("auto": where the kernels build)."""
+        return _resolve_cpu_option(
+            backend_name, "cpu_fused_ops", self.neuron_config.cpu_fused_ops, FUSED, TORCH_OPS,
+            applies=True, auto_wants=True, unavailable=kernels_unavailable_reason)
+
+    def _apply_fused_ops(self, kind: str) -> None:
+        ops = fused_ops() if kind == FUSED else None
+        for module in self._model.modules():
+            if hasattr(module, "fused"):
+                module.fused = ops
+        self.fused_ops = kind
 
     # -- life cycle ----------------------------------------------------------------------------
     def to_cpu(self) -> None:
@@ -214,6 +230,7 @@ class NeuronApplicationBase(nn.Module):
         self.load_weights(None)
         self._apply_weight_layout(self.resolve_weight_layout(EagerBackend.name))
         self._apply_attention_kernel(self.resolve_attention_kernel(EagerBackend.name))
+        self._apply_fused_ops(self.resolve_fused_ops(EagerBackend.name))
         self.backend = EagerBackend()
         for wrapper in self.models:
             wrapper.runnables = {k: wrapper.graph_fn(k[1], weights_as_inputs=False)
@@ -241,18 +258,21 @@ class NeuronApplicationBase(nn.Module):
         backend = get_backend(self.neuron_config.backend)
         layout = self.resolve_weight_layout(backend.name)
         kernel = self.resolve_attention_kernel(backend.name)
+        fused = self.resolve_fused_ops(backend.name)
         if self._model is None or self.weight_layout != PLAIN:
             self.load_weights(None)  # plain weights: the sharded checkpoint is written from them
         if self.neuron_config.save_sharded_checkpoint:
             self.shard_weights(path)
         self._apply_weight_layout(layout)
         self._apply_attention_kernel(kernel)
+        self._apply_fused_ops(fused)
         kv_cache = self._model.kv_mgr.allocate()
         manifest = {"backend": backend.name, "backend_version": backend.version,
-                    "weight_layout": layout, "attention_kernel": kernel,
+                    "weight_layout": layout, "attention_kernel": kernel, "fused_ops": fused,
                     "weights": [n for n, _ in unique_parameters(self._model)], "artifacts": {}}
         common = dict(config_json=self.config.to_json_string(), backend_version=backend.version,
-                      code=code_fingerprint(), weight_layout=layout, attention_kernel=kernel)
+                      code=code_fingerprint(), weight_layout=layout, attention_kernel=kernel,
+                      fused_ops=fused)
         for wrapper in self.models:
             for key, example in zip(wrapper.bucket_keys(), wrapper.input_generator()):
                 rel = f"{wrapper.tag}/b{key[0]}_n{key[1]}{backend.artifact_suffix}"
@@ -279,10 +299,12 @@ class NeuronApplicationBase(nn.Module):
         backend = get_backend(manifest["backend"])
         layout = self.resolve_weight_layout(backend.name)
         kernel = self.resolve_attention_kernel(backend.name)
+        fused = self.resolve_fused_ops(backend.name)
         for key, what, option, value, default in (
                 ("weight_layout", "linear weights", "cpu_weight_layout", layout, PLAIN),
                 ("attention_kernel", "token-generation attention", "cpu_attention_kernel", kernel,
-                 SDPA)):
+                 SDPA),
+                ("fused_ops", "norm/RoPE/activation ops", "cpu_fused_ops", fused, TORCH_OPS)):
             compiled = manifest.get(key, default)
             if value != compiled:
                 raise ValueError(f"{path} was compiled for {compiled!r} {what} but this model "
@@ -290,6 +312,7 @@ class NeuronApplicationBase(nn.Module):
         self.load_weights(path)
         self._apply_weight_layout(layout)
         self._apply_attention_kernel(kernel)  # loads the kernel library the graphs call
+        self._apply_fused_ops(fused)
         names = [n for n, _ in unique_parameters(self._model)]
         if names != manifest["weights"]:
             raise ValueError(f"{path} was compiled for a different model layout; compile again")

@@ -109,6 +109,10 @@ class NeuronConfig(ConfigBase):
     # the blocks up to the length bucket, then torch SDPA under a mask), or "auto" (paged where the
     # kernel builds, else sdpa)
     cpu_attention_kernel: str = "auto"
+    # extension: RMSNorm, RoPE and the MLP's silu * up on the CPU backends: "fused" (one C++ op
+    # each, nxdi_common/kernels, the same arithmetic as the torch ops they replace), "torch", or
+    # "auto" (fused where the kernels build)
+    cpu_fused_ops: str = "auto"
     # Distributed
     tp_degree: int = 1
     # Attention
@@ -226,6 +230,7 @@ class NeuronConfig(ConfigBase):
         check_choice("backend", self.backend, ("auto", "cpu", "neuron"))
         check_choice("cpu_weight_layout", self.cpu_weight_layout, ("auto", "plain", "onednn"))
         check_choice("cpu_attention_kernel", self.cpu_attention_kernel, ("auto", "sdpa", "paged"))
+        check_choice("cpu_fused_ops", self.cpu_fused_ops, ("auto", "torch", "fused"))
         if self.cpu_attention_kernel == "paged" and not self.is_block_kv_layout:
             raise ValueError("cpu_attention_kernel 'paged' needs is_block_kv_layout=True (it reads "
                              "the block table); use 'auto' or 'sdpa' with the flat KV layout")

@@ -48,7 +48,7 @@ LIBRARY_DEFAULTS = {
     "is_block_kv_layout": False, "pa_num_blocks": None, "pa_block_size": None,
     "is_prefix_caching": False, "prefix_buckets": None, "token_generation_batch_buckets": None,
     "trace_tokengen_model": True, "is_eagle_draft": False, "backend": "auto",
-    "cpu_weight_layout": "auto", "cpu_attention_kernel": "auto",
+    "cpu_weight_layout": "auto", "cpu_attention_kernel": "auto", "cpu_fused_ops": "auto",
 }
 
 

@@ -160,7 +160,7 @@ def test_auto_falls_back_when_the_kernel_cannot_be_built(tiny_llama_ckpt, monkey
                         lambda: (_ for _ in ()).throw(OSError("no C++ compiler")))
     model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=block_config())
     assert model.resolve_attention_kernel("cpu") == kernels.SDPA
-    assert "no C++ compiler" in kernels.paged_attention_unavailable_reason()
+    assert "no C++ compiler" in kernels.kernels_unavailable_reason()
     explicit = NeuronLlamaForCausalLM(tiny_llama_ckpt,
                                       neuron_config=block_config(cpu_attention_kernel="paged"))
     with pytest.raises(ValueError, match="'paged' cannot be used: .*no C\\+\\+ compiler"):

@@ -31,11 +31,12 @@ def code_fingerprint() -> str:
 
 def cache_key(*, config_json: str, tag: str, bucket: tuple, backend_version: str,
               compiler_args, code: str, weight_layout: str = "plain",
-              attention_kernel: str = "sdpa") -> str:
+              attention_kernel: str = "sdpa", fused_ops: str = "torch") -> str:
     payload = json.dumps({"config": config_json, "tag": tag, "bucket": list(bucket),
                           "backend": backend_version, "compiler_args": compiler_args,
                           "code": code, "weight_layout": weight_layout,
-                          "attention_kernel": attention_kernel}, sort_keys=True)
+                          "attention_kernel": attention_kernel, "fused_ops": fused_ops},
+                         sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

@@ -1,10 +1,11 @@
 """Our C++ CPU kernels, built on first use with the machine's C++ compiler and cached.
 
-`paged_attention()` builds (once per source, torch version and CPU) and loads
-`paged_attention.cpp`, which registers `torch.ops.nxdi.paged_decode_attention`. The build needs a
-C++ compiler and ninja (both on the target machines; the `ninja` wheel is a dependency); where it
-fails, `paged_attention_unavailable_reason()` says why and the models keep the torch attention path.
-Build output lands under $NXDI_KERNEL_CACHE (default ~/.cache/nxdi_serving/kernels)."""
+One library, built (once per source, torch version and CPU) from `paged_attention.cpp`
+(`torch.ops.nxdi.paged_decode_attention`) and `fused_ops.cpp` (`torch.ops.nxdi.rms_norm`,
+`rope_qk`, `silu_mul`), which share `simd.h`. `paged_attention()` and `fused_ops()` build and load
+it. The build needs a C++ compiler and ninja (both on the target machines; the `ninja` wheel is a
+dependency); where it fails, `kernels_unavailable_reason()` says why and the models keep the
+torch paths. Build output lands under $NXDI_KERNEL_CACHE (default ~/.cache/nxdi_serving/kernels)."""
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +24,12 @@ log = logging.getLogger(__name__)
 # Token generation's attention on the CPU backends (NeuronConfig.cpu_attention_kernel resolves to
 # one): gather the blocks and run torch SDPA, or the paged kernel.
 SDPA, PAGED = "sdpa", "paged"
+# RMSNorm, RoPE and silu * up on the CPU backends (NeuronConfig.cpu_fused_ops resolves to one).
+TORCH_OPS, FUSED = "torch", "fused"
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_HERE = Path(__file__).parent
+_SOURCES = (_HERE / "paged_attention.cpp", _HERE / "fused_ops.cpp")
+_HEADERS = (_HERE / "simd.h",)
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "error": None once loaded, else why it is unavailable
 
@@ -48,7 +53,9 @@ def _cpu_identity() -> str:
 
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), _cpu_identity().encode()):
+    for path in _SOURCES + _HEADERS:
+        digest.update(path.read_bytes())
+    for part in (torch.__version__.encode(), _cpu_identity().encode()):
         digest.update(part)
     return f"nxdi_paged_attention_{digest.hexdigest()[:16]}"
 
@@ -82,9 +89,10 @@ def _build(name: str, build_dir: Path) -> None:
     bindir = str(Path(sys.executable).parent)
     if shutil.which("ninja") is None:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    log.info("building the paged attention kernel (once per machine) in %s", build_dir)
-    cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"],
+    log.info("building the CPU kernels (once per machine) in %s", build_dir)
+    # -ffp-contract=off: a product and a sum stay two roundings, as in the torch ops replaced.
+    cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
@@ -97,9 +105,9 @@ def _wait_for(lock: Path, timeout_s: float = 300.0) -> None:
         time.sleep(0.2)
 
 
-def paged_attention_unavailable_reason() -> str | None:
-    """None when torch.ops.nxdi.paged_decode_attention is loaded (building it if needed), else why
-    it cannot be (the reason is kept: a failed build is not retried in this process)."""
+def kernels_unavailable_reason() -> str | None:
+    """None when our kernel library is loaded (building it if needed), else why it cannot be (the
+    reason is kept: a failed build is not retried in this process)."""
     with _lock:
         if "error" not in _state:
             try:
@@ -107,13 +115,23 @@ def paged_attention_unavailable_reason() -> str | None:
                 _state["error"] = None
             except Exception as exc:  # noqa: BLE001 - compiler/ninja/linker failures all mean "no"
                 _state["error"] = f"the C++ kernel could not be built or loaded ({exc})"
-                log.warning("paged attention kernel unavailable: %s", _state["error"])
+                log.warning("CPU kernels unavailable: %s", _state["error"])
         return _state["error"]
+
 
 
 def paged_attention():
     """torch.ops.nxdi.paged_decode_attention, built and loaded; RuntimeError when it cannot be."""
-    reason = paged_attention_unavailable_reason()
+    reason = kernels_unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     return torch.ops.nxdi.paged_decode_attention
+
+
+def fused_ops():
+    """torch.ops.nxdi (rms_norm, rope_qk, silu_mul), built and loaded; RuntimeError when it
+    cannot be."""
+    reason = kernels_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    return torch.ops.nxdi

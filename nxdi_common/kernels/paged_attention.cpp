@@ -9,17 +9,12 @@
 //
 // Registered as torch.ops.nxdi.paged_decode_attention, so torch.jit.trace records it as one graph op
 // and a traced graph that uses it loads in any process that has loaded this library first.
+#include "simd.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -29,10 +24,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+using namespace nxdi_simd;
 
 struct Shapes {
   int64_t batch, heads, queries, dim, kv_heads, block_size, num_blocks, table_width;
@@ -81,43 +73,6 @@ struct PortableOps {
 };
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-// float8_e4m3fn (sign, 4 exponent bits biased by 7, 3 mantissa bits): its 7 magnitude bits moved
-// to the top of an fp32's exponent and mantissa read as that value times 2^-120, normals and
-// subnormals alike (the fp32 is then subnormal or small, multiplied exactly); then the sign, and
-// NaN for the magnitude 0x7F (e4m3fn has no infinities).
-inline __m512 load16(const c10::Float8_e4m3fn* p) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
-  __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)),
-                           _mm512_set1_ps(0x1p120f));
-  f = _mm512_castsi512_ps(_mm512_or_si512(
-      _mm512_castps_si512(f), _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24)));
-  const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F));
-  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-}
-
-// e^x for x <= 0 (softmax after subtracting the maximum): x = n ln2 + r, |r| <= ln2 / 2,
-// e^r by its Taylor series to r^7 (relative error < 1e-8), times 2^n with scalef.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high bits
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);  // ln2, low bits
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  for (float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
 template <int NV>
 struct Avx512Ops {
   struct alignas(64) Row { __m512 v[NV]; };

@@ -63,6 +63,7 @@ class NeuronAttention(nn.Module):
             self.v_proj = Linear(hidden_size, kv_out, bias=qkv_bias, **kw)
         self.o_proj = Linear(q_out, hidden_size, bias=o_bias, **kw)
         self.q_norm = self.k_norm = None
+        self.fused = None  # torch.ops.nxdi with NeuronConfig.cpu_fused_ops: RoPE in one op
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype, device=device)
@@ -73,6 +74,10 @@ class NeuronAttention(nn.Module):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.fused_qkv:
             heads = self.qkv_proj(x).unflatten(-1, (h + 2 * hkv, d))  # [B, S, H + 2Hkv, D]
+            if self.q_norm is None and self.fused is not None:  # the same RoPE, one op
+                q, k, v = self.fused.rope_qk(heads, cos, sin, h + hkv).transpose(1, 2).split(
+                    [h, hkv, hkv], dim=1)
+                return q, k, v
             if self.q_norm is None:  # rotate q and k together: one RoPE over H + Hkv heads
                 qk, v = heads.split([h + hkv, hkv], dim=2)
                 qk = apply_rope(qk.transpose(1, 2), cos, sin, d // 2)

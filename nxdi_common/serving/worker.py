@@ -129,8 +129,8 @@ def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: in
     prefill) one prompt at a time."""
     kwargs = {}
     if opts.attention_kernel != "sdpa":
-        from nxdi_common.kernels import paged_attention_unavailable_reason
-        if paged_attention_unavailable_reason() is None:
+        from nxdi_common.kernels import kernels_unavailable_reason
+        if kernels_unavailable_reason() is None:
             # Each row reads only its own blocks: a step costs the same in every length bucket,
             # so one bucket serves every length (one TKG call per step, fewer graphs to build).
             kwargs["token_generation_buckets"] = [opts.max_model_len]

@@ -74,11 +74,15 @@ class NeuronLlamaMLP(nn.Module):
         kw = dict(bias=bias, dtype=dtype, device=device)
         self.gate_up_proj = Linear(hidden, 2 * inter, **kw)
         self.down_proj = Linear(inter, hidden, **kw)
+        self.fused = None  # torch.ops.nxdi with NeuronConfig.cpu_fused_ops: silu * up in one op
 
     def forward(self, x, residual=None):
         """The MLP of x; plus residual, in the down projection's kernel, when given."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        hidden = F.silu(gate) * up
+        if self.fused is not None:
+            hidden = self.fused.silu_mul(self.gate_up_proj(x))
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
         if residual is None:
             return self.down_proj(hidden)
         return self.down_proj.add_to(residual, hidden)

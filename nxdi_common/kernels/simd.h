@@ -1,0 +1,93 @@
+// Shared by our CPU kernels: conversions between the cache/activation dtypes and float32, one
+// float at a time and (AVX-512) 16 at a time, and a vector e^x. The 16-wide conversions round
+// exactly as c10's scalar ones do (round to nearest even; bf16 NaN is 0x7FC0), so a kernel's
+// vector body and its scalar tail agree, and both agree with torch's own casts.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <limits>
+
+namespace nxdi_simd {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+template <typename T> inline T from_float(float x) { return static_cast<T>(x); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  const __m512i wide =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// float8_e4m3fn (sign, 4 exponent bits biased by 7, 3 mantissa bits): its 7 magnitude bits moved
+// to the top of an fp32's exponent and mantissa read as that value times 2^-120, normals and
+// subnormals alike (the fp32 is then subnormal or small, multiplied exactly); then the sign, and
+// NaN for the magnitude 0x7F (e4m3fn has no infinities).
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
+  __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)),
+                           _mm512_set1_ps(0x1p120f));
+  f = _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(f), _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24)));
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F));
+  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// e^x: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error < 1e-8),
+// times 2^n with scalef. Below -87 the result is e^-87 (a normal float; callers add or scale it
+// away); past ln(FLT_MAX) it overflows to infinity, as std::exp does.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high bits
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);  // ln2, low bits
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+// float32 -> bfloat16 bits (in the low 16 bits of each lane), rounded to nearest even, NaN 0x7FC0.
+inline __m512i bf16_bits16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+inline void store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(x)));
+}
+inline void store16(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// x rounded to T and back: what a torch op whose result is a T tensor hands the next op.
+template <typename T> inline __m512 round16(__m512 x);
+template <> inline __m512 round16<float>(__m512 x) { return x; }
+template <> inline __m512 round16<c10::BFloat16>(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(x), 16));
+}
+template <> inline __m512 round16<c10::Half>(__m512 x) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
+}  // namespace nxdi_simd

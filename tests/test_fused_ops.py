@@ -1,0 +1,163 @@
+"""The fused CPU ops (nxdi_common/kernels/fused_ops.cpp): each equals the torch chain it replaces
+(RMSNorm, RoPE, silu * up) bit for bit in bfloat16 and float16, to float32 rounding in float32;
+the models use them only as NeuronConfig.cpu_fused_ops resolves, the compiled graphs record them
+and the manifest refuses a folder compiled the other way."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nxdi_common import kernels
+from nxdi_common.application_base import MANIFEST
+from nxdi_common.config import NeuronConfig
+from nxdi_common.models.llama.modeling_llama import (LlamaInferenceConfig, NeuronLlamaForCausalLM,
+                                                     NeuronLlamaMLP)
+from nxdi_common.modules.attention import NeuronAttention
+from nxdi_common.modules.norm import RMSNorm
+from nxdi_common.modules.rope import rope_cos_sin
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return kernels.fused_ops()
+
+
+def assert_same(got, want, dtype):
+    """Bit for bit in the 16-bit dtypes; float32 may differ where a sum is added in another
+    order or e^x comes from another polynomial (an ulp or two)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if dtype in HALF_DTYPES:
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    else:
+        torch.testing.assert_close(got, want, rtol=3e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF_DTYPES])
+@pytest.mark.parametrize("size", [576, 40, 7])  # vector body only, vector + tail, tail only
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rms_norm_equals_the_module(ops, dtype, size, rows):
+    g = torch.Generator().manual_seed(size + rows)
+    norm = RMSNorm(size, 1e-5, dtype=dtype)
+    norm.weight.data = (torch.randn(size, generator=g) * 0.5 + 1).to(dtype)
+    x = (torch.randn(rows, 3, size, generator=g) * 3).to(dtype)
+    assert_same(ops.rms_norm(x, norm.weight, norm.eps), norm(x), dtype)
+    assert_same(ops.rms_norm(x[:, 1], norm.weight, norm.eps), norm(x[:, 1]), dtype)  # strided
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF_DTYPES])
+@pytest.mark.parametrize("inter", [1536, 40, 5])
+def test_silu_mul_equals_silu_times_up(ops, dtype, inter):
+    g = torch.Generator().manual_seed(inter)
+    x = (torch.randn(3, 2, 2 * inter, generator=g) * 4).to(dtype)
+    x[0, 0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0]).to(dtype)  # e^x clamped both ways
+    gate, up = x.chunk(2, dim=-1)
+    assert_same(ops.silu_mul(x), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF_DTYPES])
+@pytest.mark.parametrize("dim", [64, 24])  # AVX-512 body, portable
+@pytest.mark.parametrize("seq", [1, 9])
+def test_rope_qk_equals_the_attention_modules_rope(ops, dtype, dim, seq):
+    """With and without the fused op, NeuronAttention.project gives the same q, k, v (bit for bit:
+    RoPE's products and sum are rounded as torch rounds them, in every dtype)."""
+    attn = NeuronAttention(48, 6, 2, dim, qkv_bias=False, o_bias=False, qk_norm_eps=None,
+                           fused_qkv=True, dtype=dtype)
+    g = torch.Generator().manual_seed(dim + seq)
+    for p in attn.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 0.3).to(dtype)
+    x = torch.randn(2, seq, 48, generator=g).to(dtype)
+    positions = torch.randint(0, 4000, (2, seq), generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    cos, sin = rope_cos_sin(positions, inv_freq, dtype)
+    want = attn.project(x, cos, sin)
+    attn.fused = ops
+    got = attn.project(x, cos, sin)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_bad_shapes_are_refused_with_the_field(ops):
+    with pytest.raises(RuntimeError, match="rms_norm: weight must be"):
+        ops.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="rope_qk: cos and sin must be"):
+        ops.rope_qk(torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8), 2)
+    with pytest.raises(RuntimeError, match="silu_mul: the last dimension"):
+        ops.silu_mul(torch.randn(2, 7))
+
+
+def test_mlp_uses_the_op_only_when_set(ops):
+    mlp = NeuronLlamaMLP(32, 48, False, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    for p in mlp.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 0.2).to(torch.bfloat16)
+    x = torch.randn(3, 32, generator=g).bfloat16()
+    want = mlp(x)
+    mlp.fused = ops
+    assert torch.equal(mlp(x), want)
+
+
+def fused_config(**overrides) -> NeuronConfig:
+    kwargs = dict(batch_size=2, seq_len=64, torch_dtype=torch.bfloat16, enable_bucketing=True,
+                  context_encoding_buckets=[32, 64], token_generation_buckets=[64], backend="cpu",
+                  fused_qkv=True)
+    kwargs.update(overrides)
+    return NeuronConfig(**kwargs)
+
+
+def greedy(model, steps: int = 6) -> torch.Tensor:
+    model.reset()
+    prompt = (torch.arange(40) * 37 + 11).remainder(256).view(2, 20)
+    logits = [model(prompt).logits]
+    for _ in range(steps):
+        logits.append(model(logits[-1].argmax(-1, keepdim=True)).logits)
+    return torch.stack(logits)
+
+
+def test_choice_validation_and_fallback(tiny_llama_ckpt, monkeypatch):
+    with pytest.raises(ValueError, match="cpu_fused_ops must be one of"):
+        fused_config(cpu_fused_ops="fast")
+    model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=fused_config())
+    assert model.resolve_fused_ops("cpu") == kernels.FUSED
+    assert model.resolve_fused_ops("neuron") == kernels.TORCH_OPS
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_build_and_load",
+                        lambda: (_ for _ in ()).throw(OSError("no C++ compiler")))
+    assert model.resolve_fused_ops("cpu") == kernels.TORCH_OPS
+    explicit = NeuronLlamaForCausalLM(tiny_llama_ckpt,
+                                      neuron_config=fused_config(cpu_fused_ops="fused"))
+    with pytest.raises(ValueError, match="'fused' cannot be used: .*no C\\+\\+ compiler"):
+        explicit.resolve_fused_ops("cpu")
+
+
+def test_compiled_graphs_record_the_choice(tiny_llama_ckpt, tmp_path, compile_cache_dir):
+    """Fused and torch builds of the same bf16 model: the graphs call the fused ops only when
+    chosen, give the same greedy logits to bf16 rounding, and a folder compiled one way is
+    refused by a config that resolves the other."""
+    fused_dir, torch_dir = tmp_path / "fused", tmp_path / "torch"
+    fused = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=fused_config())
+    fused.compile(fused_dir)
+    fused.load(fused_dir)
+    plain = NeuronLlamaForCausalLM(tiny_llama_ckpt,
+                                   neuron_config=fused_config(cpu_fused_ops="torch"))
+    plain.compile(torch_dir)
+    plain.load(torch_dir)
+    for model, folder, kind in ((fused, fused_dir, "fused"), (plain, torch_dir, "torch")):
+        assert model.fused_ops == kind
+        assert json.loads((folder / MANIFEST).read_text())["fused_ops"] == kind
+        for wrapper in (model.context_encoding_model, model.token_generation_model):
+            graph = str(next(iter(wrapper.runnables.values())).inlined_graph)
+            for op in ("nxdi::rms_norm", "nxdi::rope_qk", "nxdi::silu_mul"):
+                assert (op in graph) == (kind == "fused"), (wrapper.tag, op)
+    a, b = greedy(fused), greedy(plain)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    torch.testing.assert_close(a, b, rtol=0, atol=0.05)
+    other = NeuronLlamaForCausalLM(tiny_llama_ckpt, config=LlamaInferenceConfig.load(fused_dir))
+    with pytest.raises(ValueError, match="compiled for 'torch' norm/RoPE/activation ops"):
+        other.load(torch_dir)
