@@ -64,7 +64,7 @@ class DecodeServicer(convert.DecodeServicerBase):
     def _start_prefill(self, seq, events: asyncio.Queue):
         job = seq.job
         if not job.prefill_candidates or seq.prompt_len <= self.local_max:
-            self.engine.submit_local_prefill(seq)
+            self._submit_local(seq)
             return None
         return asyncio.create_task(self._pull(seq, events))
 
@@ -77,9 +77,14 @@ class DecodeServicer(convert.DecodeServicerBase):
         except Exception as exc:  # noqa: BLE001 - handed to the stream, which raises it
             if seq.job.local_prefill_fallback and not seq.generated:
                 log.warning("%s; prefilling %s locally", exc, seq.request_id)
-                self.engine.submit_local_prefill(seq)
+                self._submit_local(seq)
             else:
                 events.put_nowait(exc)
+
+    def _submit_local(self, seq) -> None:
+        if self.metrics is not None:
+            self.metrics.local_prefills_total.inc()
+        self.engine.submit_local_prefill(seq)
 
     async def _stream(self, seq, events: asyncio.Queue):
         last_ns = seq.arrival_ns

@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the first two this process may use)")
     g.add_argument("--decode-max-batch-size", type=int, default=16)
     g.add_argument("--kv-blocks", type=int, default=1024)
+    g.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
+                   help="disaggregated: the router's conditional disaggregation (prompts of at "
+                        "most N tokens prefilled by the decode worker while the prefill worker is "
+                        "busy; 0: off)")
+    g.add_argument("--local-prefill-queue-tokens", type=int, default=0, metavar="Q",
+                   help="disaggregated: the prefill worker counts as busy with at least Q "
+                        "prompt tokens queued or being prefilled")
     return parser
 
 
@@ -230,7 +237,9 @@ def _compare_settings(args):
                           compiled_root=args.compiled_root, quantize=args.quantize,
                           context_buckets=args.context_buckets,
                           decode_max_batch_size=args.decode_max_batch_size,
-                          kv_blocks=args.kv_blocks)
+                          kv_blocks=args.kv_blocks,
+                          local_prefill_max_tokens=args.local_prefill_max_tokens,
+                          local_prefill_queue_tokens=args.local_prefill_queue_tokens)
     if args.cpus:
         serve.cpus = [int(c) for c in args.cpus.split(",")]
     out_dir = args.out_dir or Path("results/goodput") / (

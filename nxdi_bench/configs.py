@@ -38,6 +38,8 @@ class ServeSettings:
     cpus: list[int] = field(default_factory=lambda: _default_cpus())
     decode_max_batch_size: int = 16
     kv_blocks: int = 1024
+    local_prefill_max_tokens: int = 0    # disaggregated: the router's conditional disaggregation
+    local_prefill_queue_tokens: int = 0
     startup_timeout_s: float = 900.0
 
 
@@ -54,7 +56,12 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
                   startup_timeout_seconds=s.startup_timeout_s)
     if name == "disaggregated":
         cpus = {"prefill0": s.cpus[:1], "decode0": s.cpus[-1:]} if len(s.cpus) >= 2 else {}
-        return LaunchSpec(prefill_workers=1, decode_workers=1, threads=1, cpus=cpus, **common)
+        router_args = []
+        if s.local_prefill_max_tokens:
+            router_args = ["--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
+                           "--local-prefill-queue-tokens", str(s.local_prefill_queue_tokens)]
+        return LaunchSpec(prefill_workers=1, decode_workers=1, threads=1, cpus=cpus,
+                          router_args=router_args, **common)
     if name == "aggregated":
         return LaunchSpec(prefill_workers=0, decode_workers=1, threads=max(1, len(s.cpus)),
                           cpus={"decode0": list(s.cpus)} if s.cpus else {}, **common)

@@ -64,4 +64,5 @@ def load_to_proto(report: LoadReport) -> serving_pb2.WorkerLoad:
         queued_prompt_tokens=report.queued_prompt_tokens,
         queued_requests=report.queued_requests, running_sequences=report.running_sequences,
         max_running_sequences=report.max_running_sequences,
-        open_transfers=report.open_transfers, reported_at_unix_ns=report.reported_at_unix_ns)
+        open_transfers=report.open_transfers, reported_at_unix_ns=report.reported_at_unix_ns,
+        running_prompt_tokens=report.running_prompt_tokens)

@@ -77,6 +77,7 @@ class LoadReport:
     max_running_sequences: int
     open_transfers: int
     reported_at_unix_ns: int
+    running_prompt_tokens: int = 0
 
 
 class PrefillScheduler:
@@ -206,6 +207,7 @@ class PrefillEngine:
         self.model, self.scheduler = model, scheduler
         self.on_change = on_change or (lambda queued, running: None)
         self.running = 0  # prompts in the batch being encoded
+        self.running_tokens = 0  # and their prompt tokens
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -247,11 +249,11 @@ class PrefillEngine:
             if self.scheduler.remove(task):
                 self._changed()
 
-    def counts(self) -> tuple[int, int, int]:
-        """(queued requests, queued prompt tokens, running sequences)."""
+    def counts(self) -> tuple[int, int, int, int]:
+        """(queued requests, queued prompt tokens, running sequences, running prompt tokens)."""
         with self._cond:
             return (len(self.scheduler.waiting), self.scheduler.queued_prompt_tokens,
-                    self.running)
+                    self.running, self.running_tokens)
 
     def _changed(self) -> None:
         """Report the counts (call with the lock held)."""
@@ -266,6 +268,7 @@ class PrefillEngine:
                 return None
             batch = self.scheduler.next_batch()
             self.running = len(batch)
+            self.running_tokens = sum(t.num_tokens for t in batch)
             self._changed()
             return batch
 
@@ -285,5 +288,5 @@ class PrefillEngine:
                 deliver(task, error=exc)
         finally:
             with self._cond:
-                self.running = 0
+                self.running = self.running_tokens = 0
                 self._changed()

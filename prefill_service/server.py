@@ -186,9 +186,10 @@ class PrefillServicer:
         return convert.load_to_proto(self.load())
 
     def load(self) -> LoadReport:
-        queued, queued_tokens, running = self.engine.counts()
+        queued, queued_tokens, running, running_tokens = self.engine.counts()
         return LoadReport(self.address, self.fingerprint, queued_tokens, queued, running,
-                          self.settings.ctx_batch_size, self.open_transfers, time.time_ns())
+                          self.settings.ctx_batch_size, self.open_transfers, time.time_ns(),
+                          running_tokens)
 
 
 async def write(context, message) -> None:

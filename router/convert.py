@@ -86,7 +86,7 @@ def load_from_proto(msg: pb.WorkerLoad) -> WorkerLoad:
         max_running_sequences=msg.max_running_sequences, kv_blocks_used=msg.kv_blocks_used,
         kv_blocks_free=msg.kv_blocks_free, kv_block_size=msg.kv_block_size,
         open_transfers=msg.open_transfers, reported_at_unix_ns=msg.reported_at_unix_ns,
-        role=ROLE_FROM_PROTO.get(msg.role, ""),
+        running_prompt_tokens=msg.running_prompt_tokens, role=ROLE_FROM_PROTO.get(msg.role, ""),
         fingerprint=msg.fingerprint if msg.HasField("fingerprint") else None)
 
 

@@ -18,7 +18,7 @@ from nxdi_common.serving.errors import Overloaded, ServingError, Unavailable
 from nxdi_common.serving.types import TokenOutput
 from router import convert
 from router.frontend import RoutedRequest
-from router.policies import DECODE, PREFILL, WorkerState
+from router.policies import DECODE, PREFILL, LocalPrefillRule, WorkerState
 
 log = logging.getLogger(__name__)
 HTTP_FOR_CODE = {
@@ -73,11 +73,13 @@ class _Tracker:
 class Dispatcher:
     """Routes requests over the registry's workers with a policy, and records router metrics."""
 
-    def __init__(self, registry, policy, metrics, request_timeout_seconds: float = 600.0):
+    def __init__(self, registry, policy, metrics, request_timeout_seconds: float = 600.0,
+                 local_prefill: LocalPrefillRule = LocalPrefillRule()):
         if request_timeout_seconds <= 0:
             raise ValueError(f"request_timeout_seconds must be > 0, got {request_timeout_seconds}")
         self.registry, self.policy, self.metrics = registry, policy, metrics
         self.request_timeout_seconds = request_timeout_seconds
+        self.local_prefill = local_prefill
 
     def plan(self, req: RoutedRequest) -> tuple[list[WorkerState], list[WorkerState]]:
         """Decode workers to try, best first, and the prefill candidates, best first."""
@@ -150,6 +152,10 @@ class Dispatcher:
     def _start(self, worker: WorkerState, req: RoutedRequest, ranked: list[WorkerState],
                deadline: float):
         prefills = compatible_prefills(worker, ranked)
+        if prefills and self.local_prefill.prefill_locally(
+                len(req.prompt_ids), [w for w in ranked if w.address in prefills]):
+            prefills = []  # the decode worker prefills it (no candidates to pull from)
+            self.metrics.local_prefills_total.inc()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request timed out before "

@@ -33,6 +33,7 @@ class WorkerLoad:
     kv_block_size: int = 0
     open_transfers: int = 0
     reported_at_unix_ns: int = 0
+    running_prompt_tokens: int = 0
     role: str = ""  # PREFILL or DECODE, as the worker reported itself
     fingerprint: object = field(default=None, compare=False)  # opaque; router.convert reads it
 
@@ -63,9 +64,37 @@ def decode_load_key(w: WorkerState) -> tuple:
 
 
 def prefill_load_key(w: WorkerState) -> tuple:
-    """Fewest queued prompt tokens first, then the fewest KV transfers in progress."""
+    """Fewest prompt tokens ahead (queued or being encoded) first, then the fewest KV transfers
+    in progress."""
+    return prompt_tokens_ahead(w), w.current_load.open_transfers, w.address
+
+
+def prompt_tokens_ahead(w: WorkerState) -> int:
+    """Prompt tokens a prefill worker has to encode before a prompt sent to it now."""
     load = w.current_load
-    return load.queued_prompt_tokens, load.open_transfers, w.address
+    return load.queued_prompt_tokens + load.running_prompt_tokens
+
+
+@dataclass(frozen=True)
+class LocalPrefillRule:
+    """Conditional disaggregation: a prompt of at most ``max_tokens`` tokens is prefilled by its
+    decode worker itself (no prefill candidates are sent) when every prefill candidate has at
+    least ``queue_tokens`` prompt tokens ahead of it. A short prompt then waits behind one decode
+    step instead of behind the long prompts the prefill pool is busy with; while the pool keeps
+    up, every prompt still goes to it. ``max_tokens`` 0 turns the rule off."""
+
+    max_tokens: int = 0
+    queue_tokens: int = 0
+
+    def __post_init__(self):
+        for name in ("max_tokens", "queue_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"local prefill {name} must be an integer >= 0, got {value!r}")
+
+    def prefill_locally(self, prompt_len: int, prefills: Sequence[WorkerState]) -> bool:
+        return (0 < prompt_len <= self.max_tokens
+                and all(prompt_tokens_ahead(w) >= self.queue_tokens for w in prefills))
 
 
 class LeastLoaded:

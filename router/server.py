@@ -27,7 +27,7 @@ from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend
 from router.grpc_service import RouterServicer
 from router.openai_api import create_app
-from router.policies import DECODE, POLICIES, PREFILL, make_policy
+from router.policies import DECODE, POLICIES, PREFILL, LocalPrefillRule, make_policy
 from router.registry import Registry, join_host_port
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class RouterSettings:
     refresh_seconds: float = 1.0
     request_timeout_seconds: float = 600.0
     shutdown_grace_seconds: float = 10.0
+    local_prefill_max_tokens: int = 0
+    local_prefill_queue_tokens: int = 0
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -59,6 +61,11 @@ class RouterSettings:
         if self.shutdown_grace_seconds < 0:
             raise ValueError(f"shutdown_grace_seconds must be >= 0, "
                              f"got {self.shutdown_grace_seconds}")
+        _ = self.local_prefill  # ValueError naming the field when a local_prefill_* is bad
+
+    @property
+    def local_prefill(self) -> LocalPrefillRule:
+        return LocalPrefillRule(self.local_prefill_max_tokens, self.local_prefill_queue_tokens)
 
     @property
     def poll_timeout_seconds(self) -> float:
@@ -109,7 +116,7 @@ class RunningRouter:
         registry.start(settings.refresh_seconds)
         dispatcher = Dispatcher(registry, make_policy(settings.policy),
                                 metrics or ServingMetrics("router"),
-                                settings.request_timeout_seconds)
+                                settings.request_timeout_seconds, settings.local_prefill)
         grpc_server = GrpcServer([(convert.add_router_servicer,
                                    RouterServicer(frontend, dispatcher), convert.ROUTER_SERVICE)],
                                  MAX_MESSAGE_BYTES)
@@ -182,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deadline of a request without a gRPC deadline of its own")
     g.add_argument("--shutdown-grace-seconds", type=float, default=10.0,
                    help="how long in-flight requests may finish after SIGTERM")
+    g = p.add_argument_group("conditional disaggregation")
+    g.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
+                   help="prompts of at most N tokens are prefilled by their decode worker when "
+                        "every prefill worker is busy (see --local-prefill-queue-tokens); "
+                        "0 (default): always a prefill worker when one is up")
+    g.add_argument("--local-prefill-queue-tokens", type=int, default=0, metavar="Q",
+                   help="a prefill worker counts as busy with at least Q prompt tokens queued "
+                        "or being prefilled (0: always busy, i.e. short prompts always local)")
     return p
 
 
@@ -189,7 +204,8 @@ def settings_from_args(args) -> RouterSettings:
     return RouterSettings(args.host, args.http_port, args.grpc_port, tuple(args.prefill),
                           tuple(args.decode), tuple(args.prefill_dns), tuple(args.decode_dns),
                           args.policy, args.refresh_seconds, args.request_timeout_seconds,
-                          args.shutdown_grace_seconds)
+                          args.shutdown_grace_seconds, args.local_prefill_max_tokens,
+                          args.local_prefill_queue_tokens)
 
 
 async def serve(args) -> None:

@@ -345,6 +345,26 @@ def test_queue_bound_load_report_and_cancel_while_queued(make_live, hf):
     assert w.app.metrics.value("nxdi_prompt_tokens_total") == 9
 
 
+def test_load_report_counts_the_prompt_being_prefilled(make_live, hf):
+    """While a batch is encoded its prompt tokens are reported as running_prompt_tokens (what a
+    request sent now waits behind, with the queued ones), and they go back to 0 after."""
+    w = make_live()
+    model, gate = w.app.engine.model, threading.Event()
+    forward = model.forward
+
+    def held_forward(*args, **kwargs):  # the real forward, after the test has read the report
+        assert gate.wait(20)
+        return forward(*args, **kwargs)
+
+    model.forward = held_forward
+    call = w.stub.Prefill(w.request(prompt(11), request_id="held"), timeout=30)
+    report = w.wait_load(running_sequences=1)
+    assert (report.running_prompt_tokens, report.queued_prompt_tokens) == (11, 0)
+    gate.set()
+    check_greedy(w, hf, prompt(11), list(call), "held")
+    assert w.wait_load(running_sequences=0).running_prompt_tokens == 0
+
+
 @pytest.fixture(scope="module")
 def wide_ckpt(tmp_path_factory):
     """8 layers' worth of KV per token (4 layers x 8 KV heads x 64 x fp32 = 16 KiB): a long prompt's

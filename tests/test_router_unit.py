@@ -20,8 +20,8 @@ from router.frontend import ModelFrontend, RoutedRequest
 from router.openai_format import ChatFormatter, CompletionFormatter, finish_reason
 from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed,
                                   completion_to_routed)
-from router.policies import (DECODE, PREFILL, LeastLoaded, PrefixAffinity, RoundRobin,
-                             WorkerLoad, WorkerState, affinity_key, make_policy,
+from router.policies import (DECODE, PREFILL, LeastLoaded, LocalPrefillRule, PrefixAffinity,
+                             RoundRobin, WorkerLoad, WorkerState, affinity_key, make_policy,
                              rendezvous_order)
 from router.registry import Registry, resolve, split_host_port
 
@@ -519,3 +519,35 @@ def test_finish_reason_mapping():
     with pytest.raises(WorkerError, match="finish reason 'cancelled'") as info:
         finish_reason("cancelled")
     assert info.value.http_status == 503
+
+
+# --- conditional disaggregation ------------------------------------------------------------------
+
+
+def busy_prefill(address, queued=0, running=0):
+    load = WorkerLoad(queued_prompt_tokens=queued, running_prompt_tokens=running, role=PREFILL)
+    return WorkerState(address, PREFILL, True, load, "")
+
+
+def test_local_prefill_rule_needs_a_short_prompt_and_every_prefill_worker_busy():
+    rule = LocalPrefillRule(max_tokens=256, queue_tokens=1000)
+    idle, busy = busy_prefill("p1:1", queued=100), busy_prefill("p2:1", queued=300, running=900)
+    assert rule.prefill_locally(256, [busy])
+    assert not rule.prefill_locally(257, [busy])  # too long: a prefill worker takes it
+    assert not rule.prefill_locally(10, [busy, idle])  # one worker keeps up: remote
+    assert rule.prefill_locally(10, [busy, busy_prefill("p3:1", running=1000)])
+    assert not LocalPrefillRule().prefill_locally(10, [busy])  # off by default
+    assert LocalPrefillRule(64, 0).prefill_locally(64, [idle])  # threshold 0: always local
+    with pytest.raises(ValueError, match="local prefill queue_tokens must be an integer >= 0"):
+        LocalPrefillRule(64, -1)
+
+
+def test_prefill_ranking_counts_the_tokens_being_prefilled():
+    workers = [busy_prefill("p1:1", queued=100, running=900), busy_prefill("p2:1", queued=500)]
+    assert addresses(LeastLoaded().rank_prefill([1], workers)) == ["p2:1", "p1:1"]
+
+
+def test_router_settings_name_a_bad_local_prefill_value():
+    from router.server import RouterSettings
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 0, got -5"):
+        RouterSettings(local_prefill_max_tokens=-5)

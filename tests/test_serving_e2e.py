@@ -3,12 +3,13 @@ by the launcher, the bundled SmolLM2 in fp32 for truth against transformers, the
 load. No mocks: every request crosses the HTTP gateway or the gRPC Router, the decode worker pulls
 KV from a prefill worker over a gRPC stream."""
 import asyncio
+import time
 
 import grpc
 import pytest
 import torch
 
-from nxdi_common.serving.launcher import Cluster, LaunchSpec
+from nxdi_common.serving.launcher import Cluster, LaunchSpec, connectable
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
 
@@ -191,3 +192,46 @@ def test_seeded_sampling_same_with_remote_or_local_prefill(fp32_cluster, tokeniz
     remote = [fp32_cluster.worker("prefill", 0).grpc]
     assert asyncio.run(sample(11, remote)) == asyncio.run(sample(11, []))
     assert asyncio.run(sample(11, remote)) != asyncio.run(sample(12, remote))
+
+
+def metric(url: str, name: str) -> float:
+    """One sample's value from a Prometheus /metrics page (0 when absent)."""
+    import httpx
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
+        bundled_model_path, tokenizer, hf_model):
+    """Router --local-prefill-max-tokens 32 with a queue threshold of 0 (the prefill worker always
+    counts as busy): a 20-token prompt is prefilled by the decode worker (both counters move, the
+    prefill worker serves nothing), a 100-token prompt still goes to the prefill worker; both give
+    transformers' greedy tokens."""
+    spec = LaunchSpec(dtype="float32", backend="eager", max_model_len=512, prefill_workers=1,
+                      decode_workers=1, threads=1, router_args=[
+                          "--local-prefill-max-tokens", "32", "--local-prefill-queue-tokens", "0"])
+    with Cluster(spec) as cluster:
+        decode_metrics, prefill_metrics = (
+            f"http://{connectable(cluster.worker(role, 0).ready['metrics'])}/metrics"
+            for role in ("decode", "prefill"))
+        router_metrics = f"{cluster.http_url}/metrics"
+        served = 'nxdi_requests_total{outcome="ok",role="prefill"}'
+        for n, local in ((20, 1), (100, 0)):
+            ids = prompt_of(tokenizer, n)
+            before = [metric(router_metrics, "nxdi_local_prefills_total"),
+                      metric(decode_metrics, "nxdi_local_prefills_total"),
+                      metric(prefill_metrics, served)]
+            events = asyncio.run(router_generate(cluster.grpc_address, ids, 8))
+            assert [e.token_id for e in events] == reference(hf_model, ids, 8)
+            deadline = time.monotonic() + 10  # the prefill stream is counted when it closes
+            while True:
+                after = [metric(router_metrics, "nxdi_local_prefills_total"),
+                         metric(decode_metrics, "nxdi_local_prefills_total"),
+                         metric(prefill_metrics, served)]
+                moved = [a - b for a, b in zip(after, before)]
+                if moved == [local, local, 1 - local] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert moved == [local, local, 1 - local], (n, moved)

@@ -50,6 +50,8 @@ COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
     ("decode_steps", "Decode steps (one token for every running sequence)"),
     ("token_generation_calls", "Token-generation model calls (one per decode step, two when "
      "short and long sequences run apart)"),
+    ("local_prefills", "Prompts prefilled by their decode worker (router: requests it sent "
+     "without prefill candidates; decode: prompts it prefilled itself)"),
 )
 PREFIX = "nxdi_"
 
