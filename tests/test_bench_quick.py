@@ -105,3 +105,15 @@ def test_load_command_runs_open_and_closed_loop(tiny_server, tiny_chat_model, tm
         assert dues[0] == 0.0 and dues == sorted(dues) and dues[-1] > 0
     else:
         assert result["summary"]["concurrency"] == 2
+
+
+def test_conditional_disaggregation_flags_reach_only_the_disaggregated_router():
+    from nxdi_bench.configs import ServeSettings, our_launch_spec
+    args = cli.build_parser().parse_args(["compare", "--local-prefill-max-tokens", "256",
+                                          "--local-prefill-queue-tokens", "1024"])
+    assert (args.local_prefill_max_tokens, args.local_prefill_queue_tokens) == (256, 1024)
+    serve = ServeSettings(local_prefill_max_tokens=256, local_prefill_queue_tokens=1024)
+    assert our_launch_spec("disaggregated", serve).router_args == [
+        "--local-prefill-max-tokens", "256", "--local-prefill-queue-tokens", "1024"]
+    assert our_launch_spec("aggregated", serve).router_args == []
+    assert our_launch_spec("disaggregated", ServeSettings()).router_args == []
