@@ -1,5 +1,6 @@
 """The fused CPU ops (nxdi_common/kernels/fused_ops.cpp): each equals the torch chain it replaces
-(RMSNorm, RoPE, silu * up) bit for bit in bfloat16 and float16, to float32 rounding in float32;
+(RMSNorm, RoPE, silu * up) bit for bit in bfloat16 and float16, to float32 rounding in float32,
+and the sampler's top-K equals torch.topk (equal logits ordered by index);
 the models use them only as NeuronConfig.cpu_fused_ops resolves, the compiled graphs record them
 and the manifest refuses a folder compiled the other way."""
 from __future__ import annotations
@@ -83,6 +84,55 @@ def test_rope_qk_equals_the_attention_modules_rope(ops, dtype, dim, seq):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("vocab,k", [(49152, 256), (5000, 64), (300, 256), (256, 256)])
+def test_topk_equals_torch_topk(ops, vocab, k):
+    """The fast path (rows of at least 8k values) and the plain one give torch.topk's values and
+    indices for distinct logits, in any float dtype."""
+    g = torch.Generator().manual_seed(vocab + k)
+    logits = torch.randn(5, vocab, generator=g) * 4
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        values, ids = ops.topk(x, k)
+        want_values, want_ids = torch.topk(x.float(), k)
+        assert torch.equal(values, want_values)
+        # bf16 has ties (torch.topk orders them arbitrarily): compare the ids of untied values,
+        # the (k+1)-th largest counting as a neighbour of the k-th
+        ordered = torch.sort(x.float(), descending=True).values
+        ordered = torch.cat([ordered, torch.full((5, 1), float("-inf"))], 1)[:, :k + 1]
+        ties = ordered[:, 1:] == ordered[:, :-1]  # [5, k]: value j equals value j + 1
+        tied_left = torch.cat([torch.zeros(5, 1, dtype=torch.bool), ties[:, :-1]], 1)
+        untied = ~ties & ~tied_left
+        assert torch.equal(ids[untied], want_ids[untied])
+        assert torch.equal(x.float().gather(1, ids), values)
+
+
+def test_topk_orders_equal_values_by_index_and_nan_first(ops):
+    x = torch.randn(3, 20000)
+    x[0, 100:400] = 50.0  # 300 equal maxima, more than k
+    x[1, [7, 9, 11]] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    x[2] = 1.0  # every value equal
+    values, ids = ops.topk(x, 256)
+    assert ids[0].tolist() == list(range(100, 356)) and bool((values[0] == 50).all())
+    assert ids[1, :2].tolist() == [7, 9] and values[1, 0].isnan() and values[1, 1].isinf()
+    want = torch.topk(x[1], 256).values
+    assert torch.equal(values[1, 1:], want[1:])
+    assert ids[2].tolist() == list(range(256))
+
+
+def test_sampler_uses_the_fused_topk_only_when_set(ops):
+    from nxdi_common.config import OnDeviceSamplingConfig
+    from nxdi_common.modules.sampling import Sampler, prepare_sampling_params
+    sampler = Sampler(OnDeviceSamplingConfig(do_sample=True, dynamic=True, global_topk=256))
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 49152, generator=g) * 3
+    params = prepare_sampling_params(6, top_k=[1, 50, 256, 0, 5, 1], top_p=[1, 0.9, 0.5, 1, 1, 1],
+                                     temperature=[0, 1.0, 0.7, 1.3, 1.0, 1.0])
+    rand = torch.rand(6, generator=g)
+    want = sampler(logits, params, rand)
+    sampler.fused = ops
+    assert torch.equal(sampler(logits, params, rand), want)
+
+
 def test_bad_shapes_are_refused_with_the_field(ops):
     with pytest.raises(RuntimeError, match="rms_norm: weight must be"):
         ops.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-5)
@@ -90,6 +140,8 @@ def test_bad_shapes_are_refused_with_the_field(ops):
         ops.rope_qk(torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8), 2)
     with pytest.raises(RuntimeError, match="silu_mul: the last dimension"):
         ops.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="topk: k must lie in 1..8, got 9"):
+        ops.topk(torch.randn(2, 8), 9)
 
 
 def test_mlp_uses_the_op_only_when_set(ops):

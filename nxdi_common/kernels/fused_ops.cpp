@@ -4,7 +4,7 @@
 // chain rounds, so the fused and torch paths differ only where a float32 sum is added up in
 // another order or e^x is evaluated by another polynomial (within an ulp of float32).
 //
-// Registered as torch.ops.nxdi.{rms_norm, rope_qk, silu_mul} in the same library as the paged
+// Registered as torch.ops.nxdi.{rms_norm, rope_qk, silu_mul, topk} in the same library as the paged
 // attention kernel, so traced graphs record them as single ops.
 #include "simd.h"
 
@@ -13,8 +13,13 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -50,8 +55,10 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, floa
       i = 0;
 #if defined(__AVX512F__)
       const __m512 vs = _mm512_set1_ps(scale);
-      for (; i + 16 <= n; i += 16)
-        store16(yr + i, _mm512_mul_ps(load16(w + i), round16<T>(_mm512_mul_ps(load16(xr + i), vs))));
+      for (; i + 16 <= n; i += 16) {
+        const __m512 normed = round16<T>(_mm512_mul_ps(load16(xr + i), vs));
+        store16(yr + i, _mm512_mul_ps(load16(w + i), normed));
+      }
 #endif
       for (; i < n; ++i)
         yr[i] = from_float<T>(to_float(w[i]) * round_scalar<T>(to_float(xr[i]) * scale));
@@ -205,16 +212,102 @@ at::Tensor silu_mul(const at::Tensor& x_in) {
   return out;
 }
 
+// Top-k of one float32 row, sorted by value (descending), equal values by index (ascending);
+// NaN counts as larger than any number, as in torch.topk. With AVX-512 and a row of at least
+// 8k values: the k chunk maxima of k equal chunks bound the k-th largest value from below (each
+// chunk holds a value >= the smallest of them), so only the values >= that bound are sorted.
+void topk_row(const float* x, int64_t n, int64_t k, float* values, int64_t* indices,
+              std::vector<std::pair<float, int64_t>>& cand) {
+  auto before = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    const bool an = std::isnan(a.first), bn = std::isnan(b.first);
+    if (an != bn) return an;
+    if (!an && a.first != b.first) return a.first > b.first;
+    return a.second < b.second;
+  };
+  cand.clear();
+  cand.reserve(static_cast<size_t>(std::min<int64_t>(n, 16 * k)));
+  bool all = true;
+#if defined(__AVX512F__)
+  if (n >= 8 * k) {
+    const int64_t chunk = (n + k - 1) / k;
+    float bound = std::numeric_limits<float>::infinity();
+    __mmask16 nan = 0;
+    for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+      const int64_t c1 = std::min(n, c0 + chunk);
+      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      int64_t i = c0;
+      for (; i + 16 <= c1; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, v);
+      }
+      float m = _mm512_reduce_max_ps(mx);
+      for (; i < c1; ++i) {
+        nan |= std::isnan(x[i]) ? 1 : 0;
+        m = std::max(m, x[i]);
+      }
+      bound = std::min(bound, m);
+    }
+    if (!nan) {  // every value >= bound is a candidate
+      all = false;
+      const __m512 vb = _mm512_set1_ps(bound);
+      alignas(64) int32_t idx[16];
+      alignas(64) float val[16];
+      const __m512i step = _mm512_set1_epi32(16);
+      __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16, pos = _mm512_add_epi32(pos, step)) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        const __mmask16 m = _mm512_cmp_ps_mask(v, vb, _CMP_GE_OQ);
+        if (m == 0) continue;
+        const int cnt = __builtin_popcount(m);
+        _mm512_mask_compressstoreu_epi32(idx, m, pos);
+        _mm512_mask_compressstoreu_ps(val, m, v);
+        for (int j = 0; j < cnt; ++j) cand.emplace_back(val[j], idx[j]);
+      }
+      for (; i < n; ++i)
+        if (x[i] >= bound) cand.emplace_back(x[i], i);
+    }
+  }
+#endif
+  if (all)
+    for (int64_t i = 0; i < n; ++i) cand.emplace_back(x[i], i);
+  std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), before);  // top k first
+  std::sort(cand.begin(), cand.begin() + k, before);
+  for (int64_t j = 0; j < k; ++j) values[j] = cand[j].first, indices[j] = cand[j].second;
+}
+
+// logits [B, V] -> (values [B, k] float32, indices [B, k] int64): torch.topk(logits.float(), k)
+// with its ordering made exact (ties by index).
+std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& logits_in, int64_t k) {
+  TORCH_CHECK(logits_in.dim() == 2, "topk: logits must be [B, V], got ", logits_in.sizes());
+  const int64_t b = logits_in.size(0), n = logits_in.size(1);
+  TORCH_CHECK(k >= 1 && k <= n, "topk: k must lie in 1..", n, ", got ", k);
+  const at::Tensor x = logits_in.to(at::kFloat).contiguous();
+  at::Tensor values = at::empty({b, k}, x.options());
+  at::Tensor indices = at::empty({b, k}, x.options().dtype(at::kLong));
+  const float* xp = x.const_data_ptr<float>();
+  float* vp = values.mutable_data_ptr<float>();
+  int64_t* ip = indices.mutable_data_ptr<int64_t>();
+  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<float, int64_t>> cand;
+    for (int64_t r = begin; r < end; ++r) topk_row(xp + r * n, n, k, vp + r * k, ip + r * k, cand);
+  });
+  return {values, indices};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nxdi, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_qk(Tensor x, Tensor cos, Tensor sin, int rotated) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("topk(Tensor logits, int k) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(nxdi, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_qk", &rope_qk);
   m.impl("silu_mul", &silu_mul);
+  m.impl("topk", &topk);
 }
