@@ -16,8 +16,8 @@ from nxdi_common.backends.compile_cache import CompileCache, cache_key, code_fin
 from nxdi_common.backends.cpu import EagerBackend, TracedCPUBackend
 from nxdi_common.backends.weights import unique_parameters, weights_tuple
 from nxdi_common.config import CONFIG_FILE, InferenceConfig, load_pretrained_config
-from nxdi_common.kernels import (FUSED, PAGED, SDPA, TORCH_OPS, fused_ops, kernels_unavailable_reason,
-                                 paged_attention)
+from nxdi_common.kernels import (FUSED, PAGED, SDPA, TORCH_OPS, fused_ops,
+                                 kernels_unavailable_reason, paged_attention)
 from nxdi_common.modules import quantization
 from nxdi_common.modules.linear import ONEDNN, PLAIN, onednn_unavailable_reason, pack_linear_weights
 
@@ -56,7 +56,7 @@ class NeuronApplicationBase(nn.Module):
         self.weights: tuple = ()
         self.weight_layout = PLAIN  # of the linear weights: PLAIN or ONEDNN (modules/linear.py)
         self.attention_kernel = SDPA  # of token generation: SDPA or PAGED (kernels/)
-        self.fused_ops = TORCH_OPS  # RMSNorm, RoPE, silu * up: TORCH_OPS or FUSED (kernels/)
+        self.fused_ops = TORCH_OPS  # RMSNorm, RoPE, silu * up, top-K: TORCH_OPS or FUSED (kernels/)
         self.compile_cache = CompileCache(enabled=True)
 
     @classmethod
@@ -211,8 +211,9 @@ class NeuronApplicationBase(nn.Module):
         self.attention_kernel = kernel
 
     def resolve_fused_ops(self, backend_name: str) -> str:
-        """RMSNorm, RoPE and silu * up for a backend: FUSED (one C++ op each) on the CPU backends
-        when neuron_config.cpu_fused_ops asks for it ("auto": where the kernels build)."""
+        """RMSNorm, RoPE, silu * up and the sampler's top-K for a backend: FUSED (one C++ op each)
+        on the CPU backends when neuron_config.cpu_fused_ops asks for it ("auto": where the
+        kernels build)."""
         return _resolve_cpu_option(
             backend_name, "cpu_fused_ops", self.neuron_config.cpu_fused_ops, FUSED, TORCH_OPS,
             applies=True, auto_wants=True, unavailable=kernels_unavailable_reason)
@@ -304,7 +305,7 @@ class NeuronApplicationBase(nn.Module):
                 ("weight_layout", "linear weights", "cpu_weight_layout", layout, PLAIN),
                 ("attention_kernel", "token-generation attention", "cpu_attention_kernel", kernel,
                  SDPA),
-                ("fused_ops", "norm/RoPE/activation ops", "cpu_fused_ops", fused, TORCH_OPS)):
+                ("fused_ops", "norm/RoPE/activation/top-K ops", "cpu_fused_ops", fused, TORCH_OPS)):
             compiled = manifest.get(key, default)
             if value != compiled:
                 raise ValueError(f"{path} was compiled for {compiled!r} {what} but this model "

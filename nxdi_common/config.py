@@ -109,9 +109,9 @@ class NeuronConfig(ConfigBase):
     # the blocks up to the length bucket, then torch SDPA under a mask), or "auto" (paged where the
     # kernel builds, else sdpa)
     cpu_attention_kernel: str = "auto"
-    # extension: RMSNorm, RoPE and the MLP's silu * up on the CPU backends: "fused" (one C++ op
-    # each, nxdi_common/kernels, the same arithmetic as the torch ops they replace), "torch", or
-    # "auto" (fused where the kernels build)
+    # extension: RMSNorm, RoPE, the MLP's silu * up and the sampler's top-K on the CPU backends:
+    # "fused" (one C++ op each, nxdi_common/kernels, the same results as the torch ops they
+    # replace), "torch", or "auto" (fused where the kernels build)
     cpu_fused_ops: str = "auto"
     # Distributed
     tp_degree: int = 1

@@ -2,7 +2,7 @@
 
 One library, built (once per source, torch version and CPU) from `paged_attention.cpp`
 (`torch.ops.nxdi.paged_decode_attention`) and `fused_ops.cpp` (`torch.ops.nxdi.rms_norm`,
-`rope_qk`, `silu_mul`), which share `simd.h`. `paged_attention()` and `fused_ops()` build and load
+`rope_qk`, `silu_mul`, `topk`), which share `simd.h`. `paged_attention()` and `fused_ops()` build and load
 it. The build needs a C++ compiler and ninja (both on the target machines; the `ninja` wheel is a
 dependency); where it fails, `kernels_unavailable_reason()` says why and the models keep the
 torch paths. Build output lands under $NXDI_KERNEL_CACHE (default ~/.cache/nxdi_serving/kernels)."""
@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 # Token generation's attention on the CPU backends (NeuronConfig.cpu_attention_kernel resolves to
 # one): gather the blocks and run torch SDPA, or the paged kernel.
 SDPA, PAGED = "sdpa", "paged"
-# RMSNorm, RoPE and silu * up on the CPU backends (NeuronConfig.cpu_fused_ops resolves to one).
+# RMSNorm, RoPE, silu * up and the sampler's top-K on the CPU backends (NeuronConfig.cpu_fused_ops
+# resolves to one).
 TORCH_OPS, FUSED = "torch", "fused"
 
 _HERE = Path(__file__).parent
@@ -129,7 +130,7 @@ def paged_attention():
 
 
 def fused_ops():
-    """torch.ops.nxdi (rms_norm, rope_qk, silu_mul), built and loaded; RuntimeError when it
+    """torch.ops.nxdi (rms_norm, rope_qk, silu_mul, topk), built and loaded; RuntimeError when it
     cannot be."""
     reason = kernels_unavailable_reason()
     if reason is not None:

@@ -27,6 +27,17 @@ using namespace nxdi_simd;
 
 template <typename T> float round_scalar(float x) { return to_float(from_float<T>(x)); }
 
+// f(T{}) for the tensor dtype T of `type` (float32, bfloat16, float16); `op` names the caller.
+template <typename F>
+void dispatch_float(at::ScalarType type, const char* op, F&& f) {
+  switch (type) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, op, ": dtype ", type, " is not supported");
+  }
+}
+
 // RMSNorm as modules/norm.py computes it: in float32, x * rsqrt(mean(x^2) + eps), rounded to the
 // dtype, then times the weight (a product of two dtype values, rounded again).
 template <typename T>
@@ -75,22 +86,11 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
   const at::Tensor x = x_in.contiguous(), w = weight.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
-  const float e = static_cast<float>(eps);
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      rms_norm_rows(x.const_data_ptr<float>(), w.const_data_ptr<float>(),
-                    out.mutable_data_ptr<float>(), rows, n, e);
-      break;
-    case at::kBFloat16:
-      rms_norm_rows(x.const_data_ptr<c10::BFloat16>(), w.const_data_ptr<c10::BFloat16>(),
-                    out.mutable_data_ptr<c10::BFloat16>(), rows, n, e);
-      break;
-    case at::kHalf:
-      rms_norm_rows(x.const_data_ptr<c10::Half>(), w.const_data_ptr<c10::Half>(),
-                    out.mutable_data_ptr<c10::Half>(), rows, n, e);
-      break;
-    default: TORCH_CHECK(false, "rms_norm: dtype ", x.scalar_type(), " is not supported");
-  }
+  dispatch_float(x.scalar_type(), "rms_norm", [&](auto t) {
+    using T = decltype(t);
+    rms_norm_rows(x.const_data_ptr<T>(), w.const_data_ptr<T>(), out.mutable_data_ptr<T>(), rows,
+                  n, static_cast<float>(eps));
+  });
   return out;
 }
 
@@ -147,17 +147,11 @@ at::Tensor rope_qk(const at::Tensor& x_in, const at::Tensor& cos_in, const at::T
   }
   const at::Tensor x = x_in.contiguous(), c = cos_in.contiguous(), sn = sin_in.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options());
-  switch (x.scalar_type()) {
-#define NXDI_ROPE(T)                                                                      \
-    rope_rows(x.const_data_ptr<T>(), c.const_data_ptr<T>(), sn.const_data_ptr<T>(),       \
-              out.mutable_data_ptr<T>(), b, s, heads, rotated, d);                        \
-    break;
-    case at::kFloat: NXDI_ROPE(float)
-    case at::kBFloat16: NXDI_ROPE(c10::BFloat16)
-    case at::kHalf: NXDI_ROPE(c10::Half)
-#undef NXDI_ROPE
-    default: TORCH_CHECK(false, "rope_qk: dtype ", x.scalar_type(), " is not supported");
-  }
+  dispatch_float(x.scalar_type(), "rope_qk", [&](auto t) {
+    using T = decltype(t);
+    rope_rows(x.const_data_ptr<T>(), c.const_data_ptr<T>(), sn.const_data_ptr<T>(),
+              out.mutable_data_ptr<T>(), b, s, heads, rotated, d);
+  });
   return out;
 }
 
@@ -196,19 +190,10 @@ at::Tensor silu_mul(const at::Tensor& x_in) {
   const int64_t n = shape.back() / 2, rows = n ? x.numel() / (2 * n) : 0;
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      silu_mul_rows(x.const_data_ptr<float>(), out.mutable_data_ptr<float>(), rows, n);
-      break;
-    case at::kBFloat16:
-      silu_mul_rows(x.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>(),
-                    rows, n);
-      break;
-    case at::kHalf:
-      silu_mul_rows(x.const_data_ptr<c10::Half>(), out.mutable_data_ptr<c10::Half>(), rows, n);
-      break;
-    default: TORCH_CHECK(false, "silu_mul: dtype ", x.scalar_type(), " is not supported");
-  }
+  dispatch_float(x.scalar_type(), "silu_mul", [&](auto t) {
+    using T = decltype(t);
+    silu_mul_rows(x.const_data_ptr<T>(), out.mutable_data_ptr<T>(), rows, n);
+  });
   return out;
 }
 

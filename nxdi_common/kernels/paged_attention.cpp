@@ -220,30 +220,29 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   std::vector<float> scores(nq * n), tile_store(kTile * d + 16);
   float* const tile_p = tile_store.data() +
       (16 - reinterpret_cast<uintptr_t>(tile_store.data()) / sizeof(float) % 16) % 16;
-  for_each_block(kc, [&](int64_t first, int64_t count, const kv_t* base, const kv_t* next) {
-    for (int64_t hk = hk0; hk < hk1; ++hk)
-      for (int64_t t0 = 0; t0 < count; t0 += kTile) {
-        const int64_t m = std::min(kTile, count - t0);
-        prefetch(next, hk, t0, m);
-        ops.widen(base + t0 * token_stride + hk * d, token_stride, m, tile_p);
-        for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
-          ops.scores_tile(tile_p, m, qv[qi], scale, scores.data() + qi * n + first + t0);
-      }
+  // use(hk, pos, m): the tile holds KV head hk's rows for positions pos..pos+m-1.
+  auto for_each_tile = [&](const kv_t* cache, auto&& use) {
+    for_each_block(cache, [&](int64_t first, int64_t count, const kv_t* base, const kv_t* next) {
+      for (int64_t hk = hk0; hk < hk1; ++hk)
+        for (int64_t t0 = 0; t0 < count; t0 += kTile) {
+          const int64_t m = std::min(kTile, count - t0);
+          prefetch(next, hk, t0, m);
+          ops.widen(base + t0 * token_stride + hk * d, token_stride, m, tile_p);
+          use(hk, first + t0, m);
+        }
+    });
+  };
+  for_each_tile(kc, [&](int64_t hk, int64_t pos, int64_t m) {
+    for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
+      ops.scores_tile(tile_p, m, qv[qi], scale, scores.data() + qi * n + pos);
   });
   std::vector<float> inv_sum(nq);
   for (int64_t qi = 0; qi < nq; ++qi) inv_sum[qi] = ops.softmax(scores.data() + qi * n, last[qi] + 1);
-  for_each_block(vc, [&](int64_t first, int64_t count, const kv_t* base, const kv_t* next) {
-    for (int64_t hk = hk0; hk < hk1; ++hk)
-      for (int64_t t0 = 0; t0 < count; t0 += kTile) {
-        const int64_t m = std::min(kTile, count - t0);
-        prefetch(next, hk, t0, m);
-        ops.widen(base + t0 * token_stride + hk * d, token_stride, m, tile_p);
-        for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
-          const int64_t use = std::min(m, last[qi] + 1 - first - t0);
-          if (use > 0)
-            ops.accumulate_tile(tile_p, use, scores.data() + qi * n + first + t0, acc[qi]);
-        }
-      }
+  for_each_tile(vc, [&](int64_t hk, int64_t pos, int64_t m) {
+    for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
+      const int64_t use = std::min(m, last[qi] + 1 - pos);
+      if (use > 0) ops.accumulate_tile(tile_p, use, scores.data() + qi * n + pos, acc[qi]);
+    }
   });
   std::vector<float> tmp(d);
   for (int64_t qi = 0; qi < nq; ++qi) {
