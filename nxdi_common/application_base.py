@@ -211,7 +211,8 @@ class NeuronApplicationBase(nn.Module):
         self.attention_kernel = kernel
 
     def resolve_fused_ops(self, backend_name: str) -> str:
-        """RMSNorm, RoPE, silu * up and the sampler's top-K for a backend: FUSED (one C++ op each)
+        """RMSNorm, RoPE, silu * up, the sampler's top-K and context encoding's causal attention
+        for a backend: FUSED (one C++ op each)
         on the CPU backends when neuron_config.cpu_fused_ops asks for it ("auto": where the
         kernels build)."""
         return _resolve_cpu_option(
@@ -305,7 +306,8 @@ class NeuronApplicationBase(nn.Module):
                 ("weight_layout", "linear weights", "cpu_weight_layout", layout, PLAIN),
                 ("attention_kernel", "token-generation attention", "cpu_attention_kernel", kernel,
                  SDPA),
-                ("fused_ops", "norm/RoPE/activation/top-K ops", "cpu_fused_ops", fused, TORCH_OPS)):
+                ("fused_ops", "norm/RoPE/activation/top-K/prefill-attention ops", "cpu_fused_ops",
+                 fused, TORCH_OPS)):
             compiled = manifest.get(key, default)
             if value != compiled:
                 raise ValueError(f"{path} was compiled for {compiled!r} {what} but this model "

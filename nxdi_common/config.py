@@ -109,9 +109,10 @@ class NeuronConfig(ConfigBase):
     # the blocks up to the length bucket, then torch SDPA under a mask), or "auto" (paged where the
     # kernel builds, else sdpa)
     cpu_attention_kernel: str = "auto"
-    # extension: RMSNorm, RoPE, the MLP's silu * up and the sampler's top-K on the CPU backends:
-    # "fused" (one C++ op each, nxdi_common/kernels, the same results as the torch ops they
-    # replace), "torch", or "auto" (fused where the kernels build)
+    # extension: RMSNorm, RoPE, the MLP's silu * up, the sampler's top-K and (bf16/fp16) context
+    # encoding's causal attention on the CPU backends: "fused" (one C++ op each,
+    # nxdi_common/kernels, the results of the torch ops they replace: the same bits, or for the
+    # attention within the dtype's rounding), "torch", or "auto" (fused where the kernels build)
     cpu_fused_ops: str = "auto"
     # Distributed
     tp_degree: int = 1

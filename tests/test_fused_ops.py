@@ -1,6 +1,8 @@
-"""The fused CPU ops (nxdi_common/kernels/fused_ops.cpp): each equals the torch chain it replaces
-(RMSNorm, RoPE, silu * up) bit for bit in bfloat16 and float16, to float32 rounding in float32,
-and the sampler's top-K equals torch.topk (equal logits ordered by index);
+"""The fused CPU ops (nxdi_common/kernels/fused_ops.cpp, causal_attention.cpp): each equals the
+torch chain it replaces (RMSNorm, RoPE, silu * up) bit for bit in bfloat16 and float16, to
+float32 rounding in float32, the sampler's top-K equals torch.topk (equal logits ordered by
+index), and context encoding's causal attention is as close to a float32 reference as torch's
+SDPA in the same dtype (torch's SDPA itself where the kernel does not apply);
 the models use them only as NeuronConfig.cpu_fused_ops resolves, the compiled graphs record them
 and the manifest refuses a folder compiled the other way."""
 from __future__ import annotations
@@ -144,6 +146,76 @@ def test_bad_shapes_are_refused_with_the_field(ops):
         ops.topk(torch.randn(2, 8), 9)
 
 
+def qkv_views(batch, heads, kv_heads, seq, dim, dtype, seed=0):
+    """q [B, H, S, D], k and v [B, Hkv, S, D] as the attention module hands them over: strided
+    views of one [B, S, H + 2 Hkv, D] projection output."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    return x.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
+
+
+def sdpa(q, k, v, **kw):  # [B, S, H, D], the op's layout
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                          **kw).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("shape", [
+    (1, 9, 3, 1100, 64),  # the bundled model's heads; three 512-key chunks, a 64-row tail block
+    (2, 4, 2, 100, 64),  # batch of two, the sequence not a multiple of 16
+    (3, 4, 1, 130, 64),  # MQA
+    (1, 4, 4, 700, 128),  # MHA, two 64-wide head-dim panels
+    (1, 2, 1, 1, 64),  # a one-token prompt
+])
+def test_causal_attention_is_as_close_to_float32_as_sdpa(ops, dtype, shape):
+    q, k, v = qkv_views(*shape, dtype)
+    scale = shape[-1] ** -0.5
+    got = ops.causal_attention(q, k, v, scale)
+    assert got.dtype == dtype and got.shape == (shape[0], shape[3], shape[1], shape[4])
+    assert got.is_contiguous()
+    want = sdpa(q.float(), k.float(), v.float())
+    torch_err = (sdpa(q, k, v).float() - want).abs().max().item()
+    err = (got.float() - want).abs().max().item()
+    assert err <= 1.5 * torch_err + 1e-3, (err, torch_err)
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 64), (torch.bfloat16, 32)])
+def test_causal_attention_falls_back_to_sdpa(ops, dtype, dim):
+    q, k, v = qkv_views(2, 4, 2, 70, dim, dtype)
+    assert torch.equal(ops.causal_attention(q, k, v, dim ** -0.5), sdpa(q, k, v))
+    q, k, v = qkv_views(1, 2, 1, 40, 64, torch.bfloat16)  # scale <= 0: torch's SDPA too
+    torch.testing.assert_close(ops.causal_attention(q, k, v, -0.5), sdpa(q, k, v, scale=-0.5),
+                               rtol=0, atol=0, equal_nan=True)
+
+
+def test_causal_attention_refuses_bad_shapes(ops):
+    q, k, v = qkv_views(1, 4, 2, 8, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="causal_attention: k and v must be"):
+        ops.causal_attention(q, k[:, :, :4], v[:, :, :4], 0.125)
+    q3, k3, v3 = qkv_views(1, 3, 2, 8, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="kv_heads dividing the query heads"):
+        ops.causal_attention(q3, k3, v3, 0.125)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        ops.causal_attention(q, k.float(), v, 0.125)
+
+
+def test_context_encoding_uses_the_attention_kernel(tmp_path):
+    """A bf16 model with 64-wide heads (the kernel's case): context encoding with the fused ops
+    gives the torch path's logits to bf16 rounding and the same greedy tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
+                                 vocab_size=256)).save_pretrained(tmp_path)
+    runs = {}
+    for kind in ("fused", "torch"):
+        model = NeuronLlamaForCausalLM(tmp_path, neuron_config=fused_config(cpu_fused_ops=kind))
+        model.to_cpu()
+        runs[kind] = greedy(model)
+    assert torch.equal(runs["fused"].argmax(-1), runs["torch"].argmax(-1))
+    torch.testing.assert_close(runs["fused"], runs["torch"], rtol=0, atol=0.05)
+
+
 def test_mlp_uses_the_op_only_when_set(ops):
     mlp = NeuronLlamaMLP(32, 48, False, torch.bfloat16)
     g = torch.Generator().manual_seed(0)
@@ -207,9 +279,11 @@ def test_compiled_graphs_record_the_choice(tiny_llama_ckpt, tmp_path, compile_ca
             graph = str(next(iter(wrapper.runnables.values())).inlined_graph)
             for op in ("nxdi::rms_norm", "nxdi::rope_qk", "nxdi::silu_mul"):
                 assert (op in graph) == (kind == "fused"), (wrapper.tag, op)
+            attention = "nxdi::causal_attention" in graph  # context encoding only
+            assert attention == (kind == "fused" and wrapper is model.context_encoding_model)
     a, b = greedy(fused), greedy(plain)
     assert torch.equal(a.argmax(-1), b.argmax(-1))
     torch.testing.assert_close(a, b, rtol=0, atol=0.05)
     other = NeuronLlamaForCausalLM(tiny_llama_ckpt, config=LlamaInferenceConfig.load(fused_dir))
-    with pytest.raises(ValueError, match="compiled for 'torch' norm/RoPE/activation/top-K ops"):
+    with pytest.raises(ValueError, match="compiled for 'torch' norm/RoPE/activation/top-K/prefill-attention ops"):
         other.load(torch_dir)

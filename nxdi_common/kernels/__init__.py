@@ -1,8 +1,9 @@
 """Our C++ CPU kernels, built on first use with the machine's C++ compiler and cached.
 
 One library, built (once per source, torch version and CPU) from `paged_attention.cpp`
-(`torch.ops.nxdi.paged_decode_attention`) and `fused_ops.cpp` (`torch.ops.nxdi.rms_norm`,
-`rope_qk`, `silu_mul`, `topk`), which share `simd.h`. `paged_attention()` and `fused_ops()` build and load
+(`torch.ops.nxdi.paged_decode_attention`), `fused_ops.cpp` (`torch.ops.nxdi.rms_norm`,
+`rope_qk`, `silu_mul`, `topk`) and `causal_attention.cpp` (`torch.ops.nxdi.causal_attention`,
+context encoding's attention), which share `simd.h`. `paged_attention()` and `fused_ops()` build and load
 it. The build needs a C++ compiler and ninja (both on the target machines; the `ninja` wheel is a
 dependency); where it fails, `kernels_unavailable_reason()` says why and the models keep the
 torch paths. Build output lands under $NXDI_KERNEL_CACHE (default ~/.cache/nxdi_serving/kernels)."""
@@ -24,12 +25,14 @@ log = logging.getLogger(__name__)
 # Token generation's attention on the CPU backends (NeuronConfig.cpu_attention_kernel resolves to
 # one): gather the blocks and run torch SDPA, or the paged kernel.
 SDPA, PAGED = "sdpa", "paged"
-# RMSNorm, RoPE, silu * up and the sampler's top-K on the CPU backends (NeuronConfig.cpu_fused_ops
+# RMSNorm, RoPE, silu * up, the sampler's top-K and context encoding's causal attention on the
+# CPU backends (NeuronConfig.cpu_fused_ops
 # resolves to one).
 TORCH_OPS, FUSED = "torch", "fused"
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "paged_attention.cpp", _HERE / "fused_ops.cpp")
+_SOURCES = (_HERE / "paged_attention.cpp", _HERE / "fused_ops.cpp",
+            _HERE / "causal_attention.cpp")
 _HEADERS = (_HERE / "simd.h",)
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "error": None once loaded, else why it is unavailable
@@ -130,8 +133,8 @@ def paged_attention():
 
 
 def fused_ops():
-    """torch.ops.nxdi (rms_norm, rope_qk, silu_mul, topk), built and loaded; RuntimeError when it
-    cannot be."""
+    """torch.ops.nxdi (rms_norm, rope_qk, silu_mul, topk, causal_attention), built and loaded;
+    RuntimeError when it cannot be."""
     reason = kernels_unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)

@@ -63,7 +63,9 @@ class NeuronAttention(nn.Module):
             self.v_proj = Linear(hidden_size, kv_out, bias=qkv_bias, **kw)
         self.o_proj = Linear(q_out, hidden_size, bias=o_bias, **kw)
         self.q_norm = self.k_norm = None
-        self.fused = None  # torch.ops.nxdi with NeuronConfig.cpu_fused_ops: RoPE in one op
+        # torch.ops.nxdi with NeuronConfig.cpu_fused_ops: RoPE in one op, and context encoding's
+        # causal attention in our kernel (it falls back to SDPA itself where it does not apply)
+        self.fused = None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype, device=device)
@@ -105,10 +107,16 @@ class NeuronAttention(nn.Module):
         kv_mgr.write(cache, layer, k, v, index)
         if kv_len is not None and kv_mgr.paged_attention is not None:
             out = kv_mgr.attend(cache, layer, q, index)  # reads the blocks in place; no mask
+        elif kv_len is None and mask is None and self.fused is not None:
+            # [B, S, H, D] already: the output projection reads it without a transpose
+            return self._project_out(
+                self.fused.causal_attention(q, k, v, self.head_dim ** -0.5).flatten(2), residual)
         else:
             if kv_len is not None:
                 k, v = kv_mgr.read(cache, layer, index, kv_len)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                  enable_gqa=True)
-        out = out.transpose(1, 2).flatten(2)  # [B, S, H * D]
+        return self._project_out(out.transpose(1, 2).flatten(2), residual)  # [B, S, H * D]
+
+    def _project_out(self, out, residual):
         return self.o_proj(out) if residual is None else self.o_proj.add_to(residual, out)
