@@ -216,13 +216,16 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const T* vd = v.data_ptr<T>();
   T* od = out.data_ptr<T>();
   const int64_t pairs = s.batch * s.kv_heads, panel_elems = s.seq_pad * s.dim;
-  std::vector<T> kpack(pairs * panel_elems), vpack(pairs * panel_elems);
+  // Every element is written by pack(); no zero-fill first.
+  const at::Tensor kpack_t = at::empty({2, pairs * panel_elems}, q.options());
+  T* kpack = kpack_t.data_ptr<T>();
+  T* vpack = kpack + pairs * panel_elems;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / s.kv_heads, g = i % s.kv_heads;
       pack_kv(kd + b * k.stride(0) + g * k.stride(1), vd + b * v.stride(0) + g * v.stride(1),
-              k.stride(2), v.stride(2), s, kpack.data() + i * panel_elems,
-              vpack.data() + i * panel_elems);
+              k.stride(2), v.stride(2), s, kpack + i * panel_elems,
+              vpack + i * panel_elems);
     }
   });
   const int64_t blocks = (s.seq + kQueryBlock - 1) / kQueryBlock;
@@ -235,7 +238,7 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       const int64_t pair = i % pairs, block = blocks - 1 - i / pairs;
       const int64_t b = pair / s.kv_heads, g = pair % s.kv_heads;
       attend_block(qd + b * q.stride(0) + g * s.group * q.stride(1), q.stride(2), q.stride(1),
-                   kpack.data() + pair * panel_elems, vpack.data() + pair * panel_elems, s,
+                   kpack + pair * panel_elems, vpack + pair * panel_elems, s,
                    block * kQueryBlock, scale, od + b * out.stride(0) + g * s.group * s.dim,
                    out.stride(1), qbuf.data(), scores.data(), probs.data(), acc.data(),
                    mx.data(), sum.data());
