@@ -66,7 +66,7 @@ def attention_times(lengths: list[int], heads=9, kv_heads=3, dim=64) -> dict[int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 1792])
-    p.add_argument("--fused-ops", nargs="+", default=["fused", "torch"],
+    p.add_argument("--fused-ops", nargs="*", default=["fused", "torch"],
                    choices=["fused", "torch"])
     p.add_argument("--cpu", type=int, default=1)
     p.add_argument("--skip-attention", action="store_true",

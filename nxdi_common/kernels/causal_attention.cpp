@@ -159,12 +159,29 @@ float softmax_step(const float* scores, int64_t n, int64_t w, float scale, float
   return shrink;
 }
 
+// One thread's working set for a query block of `rows` = heads per group x kQueryBlock rows.
+template <typename T>
+struct Scratch {
+  explicit Scratch(int64_t rows, int64_t dim)
+      : q(rows * dim), probs(rows * kLd), scores(rows * kLd), acc(rows * dim), row_max(rows),
+        row_sum(rows) {}
+  std::vector<T> q, probs;  // the block's queries; one chunk's probabilities
+  std::vector<float> scores, acc, row_max, row_sum;  // one chunk's scores; the running softmax
+};
+
+// The query block at `start` of one (batch, KV group): q points at the group's first head,
+// out at that head's slot of position 0.
 template <typename T>
 void attend_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, const T* kp,
                   const T* vp, const Shape& s, int64_t start, float scale, T* out,
-                  int64_t out_pos_stride, T* qbuf, float* scores, T* probs, float* acc,
-                  float* row_max, float* row_sum) {
+                  int64_t out_pos_stride, Scratch<T>& w) {
   const int64_t rows = s.group * kQueryBlock;
+  T* qbuf = w.q.data();
+  T* probs = w.probs.data();
+  float* scores = w.scores.data();
+  float* acc = w.acc.data();
+  float* row_max = w.row_max.data();
+  float* row_sum = w.row_sum.data();
   for (int64_t h = 0; h < s.group; ++h)
     for (int64_t i = 0; i < kQueryBlock; ++i) {
       T* dst = qbuf + (h * kQueryBlock + i) * s.dim;
@@ -231,8 +248,7 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t blocks = (s.seq + kQueryBlock - 1) / kQueryBlock;
   const int64_t rows = s.group * kQueryBlock;
   at::parallel_for(0, pairs * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> qbuf(rows * s.dim), probs(rows * kLd);
-    std::vector<float> scores(rows * kLd), acc(rows * s.dim), mx(rows), sum(rows);
+    Scratch<T> scratch(rows, s.dim);
     for (int64_t i = begin; i < end; ++i) {
       // Later blocks have more keys: hand them out first.
       const int64_t pair = i % pairs, block = blocks - 1 - i / pairs;
@@ -240,8 +256,7 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       attend_block(qd + b * q.stride(0) + g * s.group * q.stride(1), q.stride(2), q.stride(1),
                    kpack + pair * panel_elems, vpack + pair * panel_elems, s,
                    block * kQueryBlock, scale, od + b * out.stride(0) + g * s.group * s.dim,
-                   out.stride(1), qbuf.data(), scores.data(), probs.data(), acc.data(),
-                   mx.data(), sum.data());
+                   out.stride(1), scratch);
     }
     blas::brgemm_release();
   });
