@@ -212,9 +212,8 @@ class NeuronApplicationBase(nn.Module):
 
     def resolve_fused_ops(self, backend_name: str) -> str:
         """RMSNorm, RoPE, silu * up, the sampler's top-K and context encoding's causal attention
-        for a backend: FUSED (one C++ op each)
-        on the CPU backends when neuron_config.cpu_fused_ops asks for it ("auto": where the
-        kernels build)."""
+        for a backend: FUSED (one C++ op each) on the CPU backends when
+        neuron_config.cpu_fused_ops asks for it ("auto": where the kernels build)."""
         return _resolve_cpu_option(
             backend_name, "cpu_fused_ops", self.neuron_config.cpu_fused_ops, FUSED, TORCH_OPS,
             applies=True, auto_wants=True, unavailable=kernels_unavailable_reason)

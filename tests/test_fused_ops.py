@@ -285,5 +285,6 @@ def test_compiled_graphs_record_the_choice(tiny_llama_ckpt, tmp_path, compile_ca
     assert torch.equal(a.argmax(-1), b.argmax(-1))
     torch.testing.assert_close(a, b, rtol=0, atol=0.05)
     other = NeuronLlamaForCausalLM(tiny_llama_ckpt, config=LlamaInferenceConfig.load(fused_dir))
-    with pytest.raises(ValueError, match="compiled for 'torch' norm/RoPE/activation/top-K/prefill-attention ops"):
+    with pytest.raises(ValueError, match="compiled for 'torch' "
+                                         "norm/RoPE/activation/top-K/prefill-attention ops"):
         other.load(torch_dir)

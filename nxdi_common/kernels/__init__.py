@@ -3,10 +3,10 @@
 One library, built (once per source, torch version and CPU) from `paged_attention.cpp`
 (`torch.ops.nxdi.paged_decode_attention`), `fused_ops.cpp` (`torch.ops.nxdi.rms_norm`,
 `rope_qk`, `silu_mul`, `topk`) and `causal_attention.cpp` (`torch.ops.nxdi.causal_attention`,
-context encoding's attention), which share `simd.h`. `paged_attention()` and `fused_ops()` build and load
-it. The build needs a C++ compiler and ninja (both on the target machines; the `ninja` wheel is a
-dependency); where it fails, `kernels_unavailable_reason()` says why and the models keep the
-torch paths. Build output lands under $NXDI_KERNEL_CACHE (default ~/.cache/nxdi_serving/kernels)."""
+context encoding's attention), which share `simd.h`. `paged_attention()` and `fused_ops()`
+build and load it. The build needs a C++ compiler and ninja (both on the target machines; the
+`ninja` wheel is a dependency); where it fails, `kernels_unavailable_reason()` says why and the
+models keep the torch paths. Build output lands under $NXDI_KERNEL_CACHE (default ~/.cache/nxdi_serving/kernels)."""
 from __future__ import annotations
 
 import hashlib
@@ -26,8 +26,7 @@ log = logging.getLogger(__name__)
 # one): gather the blocks and run torch SDPA, or the paged kernel.
 SDPA, PAGED = "sdpa", "paged"
 # RMSNorm, RoPE, silu * up, the sampler's top-K and context encoding's causal attention on the
-# CPU backends (NeuronConfig.cpu_fused_ops
-# resolves to one).
+# CPU backends (NeuronConfig.cpu_fused_ops resolves to one).
 TORCH_OPS, FUSED = "torch", "fused"
 
 _HERE = Path(__file__).parent

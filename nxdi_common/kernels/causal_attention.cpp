@@ -57,7 +57,8 @@ constexpr int64_t kLd = kChunk + 16;
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 struct Shape {
-  int64_t batch, heads, kv_heads, group, seq, seq_pad, dim;
+  int64_t batch, heads, kv_heads, seq, seq_pad, dim;
+  int64_t group() const { return heads / kv_heads; }  // query heads per KV head
 };
 
 // K^T of one (batch, KV head) as oneDNN-packed panels of kPanel keys ([dim x kPanel] each, keys
@@ -111,7 +112,8 @@ inline __m512 exp_nonpositive16(__m512 x) {
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), x);
   __m512 p = _mm512_set1_ps(1.f / 120.f);
-  for (float c : {1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  for (float c : {1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -175,14 +177,14 @@ template <typename T>
 void attend_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, const T* kp,
                   const T* vp, const Shape& s, int64_t start, float scale, T* out,
                   int64_t out_pos_stride, Scratch<T>& w) {
-  const int64_t rows = s.group * kQueryBlock;
+  const int64_t rows = s.group() * kQueryBlock;
   T* qbuf = w.q.data();
   T* probs = w.probs.data();
   float* scores = w.scores.data();
   float* acc = w.acc.data();
   float* row_max = w.row_max.data();
   float* row_sum = w.row_sum.data();
-  for (int64_t h = 0; h < s.group; ++h)
+  for (int64_t h = 0; h < s.group(); ++h)
     for (int64_t i = 0; i < kQueryBlock; ++i) {
       T* dst = qbuf + (h * kQueryBlock + i) * s.dim;
       const int64_t pos = start + i;
@@ -246,16 +248,16 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     }
   });
   const int64_t blocks = (s.seq + kQueryBlock - 1) / kQueryBlock;
-  const int64_t rows = s.group * kQueryBlock;
+  const int64_t rows = s.group() * kQueryBlock;
   at::parallel_for(0, pairs * blocks, 1, [&](int64_t begin, int64_t end) {
     Scratch<T> scratch(rows, s.dim);
     for (int64_t i = begin; i < end; ++i) {
       // Later blocks have more keys: hand them out first.
       const int64_t pair = i % pairs, block = blocks - 1 - i / pairs;
       const int64_t b = pair / s.kv_heads, g = pair % s.kv_heads;
-      attend_block(qd + b * q.stride(0) + g * s.group * q.stride(1), q.stride(2), q.stride(1),
+      attend_block(qd + b * q.stride(0) + g * s.group() * q.stride(1), q.stride(2), q.stride(1),
                    kpack + pair * panel_elems, vpack + pair * panel_elems, s,
-                   block * kQueryBlock, scale, od + b * out.stride(0) + g * s.group * s.dim,
+                   block * kQueryBlock, scale, od + b * out.stride(0) + g * s.group() * s.dim,
                    out.stride(1), scratch);
     }
     blas::brgemm_release();
@@ -271,7 +273,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "causal_attention: q, k, v must be [batch, heads, seq, head_dim]");
-  const Shape s{q.size(0), q.size(1), k.size(1), 0, q.size(2), round_up(q.size(2), kPanel),
+  const Shape s{q.size(0), q.size(1), k.size(1), q.size(2), round_up(q.size(2), kPanel),
                 q.size(3)};
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == s.batch && k.size(2) == s.seq &&
                   k.size(3) == s.dim && s.kv_heads > 0 && s.heads % s.kv_heads == 0,
@@ -279,21 +281,20 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "dividing the query heads; got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "causal_attention: q, k, v must share one dtype");
-  const bool kernel = kHaveKernel && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) &&
+  const at::ScalarType dtype = q.scalar_type();
+  const bool kernel = kHaveKernel && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
                       s.dim % kPanel == 0 && q.stride(3) == 1 && k.stride(3) == 1 &&
-                      v.stride(3) == 1 && scale > 0 && blas::could_pack(q.scalar_type());
+                      v.stride(3) == 1 && scale > 0 && blas::could_pack(dtype);
   if (!kernel) {
     return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, scale, true)
         .transpose(1, 2).contiguous();
   }
   at::Tensor out = at::empty({s.batch, s.seq, s.heads, s.dim}, q.options());
 #if defined(__AVX512F__)
-  Shape shape = s;
-  shape.group = s.heads / s.kv_heads;
-  if (q.scalar_type() == at::kBFloat16)
-    causal_attention_impl<c10::BFloat16>(q, k, v, static_cast<float>(scale), out, shape);
+  if (dtype == at::kBFloat16)
+    causal_attention_impl<c10::BFloat16>(q, k, v, static_cast<float>(scale), out, s);
   else
-    causal_attention_impl<c10::Half>(q, k, v, static_cast<float>(scale), out, shape);
+    causal_attention_impl<c10::Half>(q, k, v, static_cast<float>(scale), out, s);
 #endif
   return out;
 }

@@ -100,23 +100,20 @@ class NeuronAttention(nn.Module):
                 residual=None):
         """x [B, S, hidden]; cos/sin from rope_cos_sin; mask None (causal) or [B, 1, S, T] additive
         float (0 = attend, -inf = not). kv_len None means context encoding (attend to this call's
-        own keys); an int means token generation (attend to the first kv_len cached positions, after writing
-        this step's keys; with kv_mgr.paged_attention, to each row's own positions, and mask is
-        unused). Returns residual + attention output when residual is given."""
+        own keys); an int means token generation (attend to the first kv_len cached positions,
+        after writing this step's keys; with kv_mgr.paged_attention, to each row's own positions,
+        and mask is unused). Returns residual + attention output when residual is given."""
         q, k, v = self.project(x, cos, sin)
         kv_mgr.write(cache, layer, k, v, index)
         if kv_len is not None and kv_mgr.paged_attention is not None:
-            out = kv_mgr.attend(cache, layer, q, index)  # reads the blocks in place; no mask
+            # reads the blocks in place; no mask
+            out = kv_mgr.attend(cache, layer, q, index).transpose(1, 2)
         elif kv_len is None and mask is None and self.fused is not None:
-            # [B, S, H, D] already: the output projection reads it without a transpose
-            return self._project_out(
-                self.fused.causal_attention(q, k, v, self.head_dim ** -0.5).flatten(2), residual)
+            out = self.fused.causal_attention(q, k, v, self.head_dim ** -0.5)  # [B, S, H, D]
         else:
             if kv_len is not None:
                 k, v = kv_mgr.read(cache, layer, index, kv_len)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                 enable_gqa=True)
-        return self._project_out(out.transpose(1, 2).flatten(2), residual)  # [B, S, H * D]
-
-    def _project_out(self, out, residual):
+                                                 enable_gqa=True).transpose(1, 2)
+        out = out.flatten(2)  # [B, S, H * D]
         return self.o_proj(out) if residual is None else self.o_proj.add_to(residual, out)
