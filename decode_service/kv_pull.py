@@ -78,20 +78,21 @@ class KVPuller:
         self.open_transfers += 1
         began, payload = time.perf_counter(), 0
         try:
-            expect_first = True
+            last = None  # the previous event's kind
+            # Read on past done to the stream's own end: cancelling as soon as done arrives
+            # could cancel the prefill handler before it returns, so a delivered transfer
+            # would count as a cancelled one there.
             async for event in call:
                 kind, data = convert.prefill_event(event)
-                if expect_first != (kind == "first_token"):
-                    raise FailedPrecondition(f"prefill stream out of order: got {kind} "
-                                             f"{'first' if expect_first else 'again'}")
-                expect_first = False
+                if last == "done" or (last is None) != (kind == "first_token"):
+                    raise FailedPrecondition(f"prefill stream out of order: {kind} after "
+                                             f"{last or 'nothing'}")
+                last = kind
                 if kind == "first_token":
                     if self._take_first_token(seq, data):
                         return False
                 elif kind == "kv_chunk":
                     payload += self._write_chunk(seq, data, reservation, coverage)
-                else:
-                    break
             if not coverage.complete:
                 raise FailedPrecondition(f"prefill stream from {address} ended with "
                                          f"{coverage.missing} KV values missing")

@@ -228,6 +228,8 @@ class HostilePrefill(pb_grpc.PrefillServicer):
             msg.crc32c ^= 1
         yield pb.PrefillEvent(kv_chunk=msg)
         yield pb.PrefillEvent(done=pb.PrefillDone(num_chunks=1))
+        if self.how == "after_done":
+            yield pb.PrefillEvent(kv_chunk=msg)
 
 
 @contextlib.asynccontextmanager
@@ -242,7 +244,8 @@ async def hostile_server(fingerprint, how):
         await server.stop(0)
 
 
-@pytest.mark.parametrize("how, field", [("length", "k"), ("range", "token_end"), ("crc", "crc32c")])
+@pytest.mark.parametrize("how, field", [("length", "k"), ("range", "token_end"), ("crc", "crc32c"),
+                                        ("after_done", "kv_chunk after done")])
 def test_bad_kv_chunk_fails_the_request_cleanly(decode, how, field):
     async def scenario():
         fp = kv_transfer.fingerprint_from_proto((await get_load(decode.grpc)).fingerprint)

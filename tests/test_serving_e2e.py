@@ -69,10 +69,23 @@ def test_grpc_router_greedy_matches_transformers_2p2d_16_concurrent(fp32_cluster
         return await asyncio.gather(*(router_generate(fp32_cluster.grpc_address, p, 6)
                                       for p in prompts))
 
+    before = prefill_outcomes(fp32_cluster)
     results = asyncio.run(all_at_once())
     for ids, events in zip(prompts, results):
         assert [e.token_id for e in events] == reference(hf_model, ids, 6)
         assert events[-1].usage.prompt_tokens == len(ids)
+    # Every transfer ended as delivered on the prefill side: the decode worker reads each stream
+    # to its end instead of cancelling it once the done message arrives.
+    moved = {k: v - before[k] for k, v in prefill_outcomes(fp32_cluster).items()}
+    assert moved == {"ok": 16, "cancelled": 0}, moved
+
+
+def prefill_outcomes(cluster) -> dict[str, float]:
+    """Prefill streams ended ok / cancelled, summed over the cluster's prefill workers."""
+    urls = [f"http://{connectable(w.ready['metrics'])}/metrics" for w in cluster.workers
+            if w.role == "prefill"]
+    return {outcome: sum(metric(url, f'nxdi_requests_total{{outcome="{outcome}",role="prefill"}}')
+                         for url in urls) for outcome in ("ok", "cancelled")}
 
 
 def test_http_greedy_matches_transformers(fp32_cluster, tokenizer, hf_model):
