@@ -17,9 +17,10 @@ from nxdi_common.backends.cpu import EagerBackend, TracedCPUBackend
 from nxdi_common.backends.weights import unique_parameters, weights_tuple
 from nxdi_common.config import CONFIG_FILE, InferenceConfig, load_pretrained_config
 from nxdi_common.kernels import (FUSED, PAGED, SDPA, TORCH_OPS, fused_ops,
-                                 kernels_unavailable_reason, paged_attention)
+                                 kernels_unavailable_reason, paged_attention, panels_suit_this_cpu)
 from nxdi_common.modules import quantization
-from nxdi_common.modules.linear import ONEDNN, PLAIN, onednn_unavailable_reason, pack_linear_weights
+from nxdi_common.modules.linear import (ONEDNN, PANELS, PLAIN, onednn_unavailable_reason,
+                                        pack_linear_weights)
 
 MANIFEST = "nxdi_manifest.json"
 SHARDED_WEIGHTS = Path("weights") / "tp0_sharded_checkpoint.safetensors"
@@ -54,7 +55,7 @@ class NeuronApplicationBase(nn.Module):
         self.backend = None
         self._model = None
         self.weights: tuple = ()
-        self.weight_layout = PLAIN  # of the linear weights: PLAIN or ONEDNN (modules/linear.py)
+        self.weight_layout = PLAIN  # linear weights: PLAIN, ONEDNN or PANELS (modules/linear.py)
         self.attention_kernel = SDPA  # of token generation: SDPA or PAGED (kernels/)
         self.fused_ops = TORCH_OPS  # RMSNorm, RoPE, silu * up, top-K: TORCH_OPS or FUSED (kernels/)
         self.compile_cache = CompileCache(enabled=True)
@@ -180,19 +181,25 @@ class NeuronApplicationBase(nn.Module):
         self._build_model(sd)
 
     def resolve_weight_layout(self, backend_name: str) -> str:
-        """The linear weights' layout for a backend: ONEDNN on the CPU backends when
-        neuron_config.cpu_weight_layout asks for it ("auto": for bfloat16 where oneDNN runs)."""
+        """The linear weights' layout for a backend, as neuron_config.cpu_weight_layout asks:
+        ONEDNN or PANELS on the CPU backends, else PLAIN. "auto" packs bfloat16 weights: into
+        PANELS on CPUs without bfloat16 dot products (there torch's bfloat16 GEMM is slow and
+        oneDNN cannot pack bfloat16) where our kernels build; elsewhere for oneDNN where it runs."""
         nc = self.neuron_config
-        return _resolve_cpu_option(
-            backend_name, "cpu_weight_layout", nc.cpu_weight_layout, ONEDNN, PLAIN, applies=True,
-            auto_wants=nc.torch_dtype == torch.bfloat16,
-            unavailable=lambda: onednn_unavailable_reason(nc.torch_dtype))
+        requested = nc.cpu_weight_layout
+        if requested == PANELS or (requested == "auto" and panels_suit_this_cpu()):
+            fast, unavailable = PANELS, kernels_unavailable_reason
+        else:
+            fast, unavailable = ONEDNN, lambda: onednn_unavailable_reason(nc.torch_dtype)
+        return _resolve_cpu_option(backend_name, "cpu_weight_layout", requested, fast, PLAIN,
+                                   applies=True, auto_wants=nc.torch_dtype == torch.bfloat16,
+                                   unavailable=unavailable)
 
     def _apply_weight_layout(self, layout: str) -> None:
-        """Pack the loaded model's linear weights when layout is ONEDNN (done after the plain
-        weights are saved anywhere: packed tensors are never written)."""
-        if layout == ONEDNN and self.weight_layout != ONEDNN:
-            pack_linear_weights(self._model)
+        """Pack the loaded model's linear weights into layout ONEDNN or PANELS (done after the
+        plain weights are saved anywhere: packed tensors are never written)."""
+        if layout != PLAIN and self.weight_layout != layout:
+            pack_linear_weights(self._model, layout)
             self.weights = weights_tuple(self._model)
         self.weight_layout = layout
 

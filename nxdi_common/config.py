@@ -102,7 +102,10 @@ class NeuronConfig(ConfigBase):
     scratchpad_page_size: Optional[int] = None
     backend: str = "auto"  # extension: "auto" | "cpu" | "neuron", the target of compile()
     # extension: linear weights on the CPU backends: "onednn" (packed once at load into oneDNN's
-    # blocked layout), "plain", or "auto" (onednn for bfloat16 where oneDNN runs, else plain)
+    # blocked layout), "panels" (16-column panels multiplied in float32 by our C++ kernel, for
+    # CPUs without bfloat16 dot products), "plain", or "auto" (for bfloat16: panels on an x86
+    # CPU with AVX2 and no avx512_bf16/amx_bf16 where the kernels build, else onednn where oneDNN
+    # runs, else plain)
     cpu_weight_layout: str = "auto"
     # extension: token-generation attention on the CPU backends with the block KV layout: "paged"
     # (our C++ kernel reads each row's own blocks in place, nxdi_common/kernels), "sdpa" (gather
@@ -229,7 +232,8 @@ class NeuronConfig(ConfigBase):
         check_choice("quantization_type", self.quantization_type,
                      ("per_tensor_symmetric", "per_channel_symmetric"))
         check_choice("backend", self.backend, ("auto", "cpu", "neuron"))
-        check_choice("cpu_weight_layout", self.cpu_weight_layout, ("auto", "plain", "onednn"))
+        check_choice("cpu_weight_layout", self.cpu_weight_layout,
+                     ("auto", "plain", "onednn", "panels"))
         check_choice("cpu_attention_kernel", self.cpu_attention_kernel, ("auto", "sdpa", "paged"))
         check_choice("cpu_fused_ops", self.cpu_fused_ops, ("auto", "torch", "fused"))
         if self.cpu_attention_kernel == "paged" and not self.is_block_kv_layout:

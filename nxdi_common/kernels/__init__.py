@@ -2,13 +2,15 @@
 
 One library, built (once per source, torch version and CPU) from `paged_attention.cpp`
 (`torch.ops.nxdi.paged_decode_attention`), `fused_ops.cpp` (`torch.ops.nxdi.rms_norm`,
-`rope_qk`, `silu_mul`, `topk`) and `causal_attention.cpp` (`torch.ops.nxdi.causal_attention`,
-context encoding's attention), which share `simd.h`. `paged_attention()` and `fused_ops()`
+`rope_qk`, `silu_mul`, `topk`), `causal_attention.cpp` (`torch.ops.nxdi.causal_attention`,
+context encoding's attention) and `panel_linear.cpp` (`torch.ops.nxdi.panel_linear`, linear layers
+on CPUs without bfloat16 dot products), which share `simd.h`. `paged_attention()` and `fused_ops()`
 build and load it. The build needs a C++ compiler and ninja (both on the target machines; the
 `ninja` wheel is a dependency); where it fails, `kernels_unavailable_reason()` says why and the
 models keep the torch paths. Build output lands under $NXDI_KERNEL_CACHE (default ~/.cache/nxdi_serving/kernels)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -31,7 +33,7 @@ TORCH_OPS, FUSED = "torch", "fused"
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "paged_attention.cpp", _HERE / "fused_ops.cpp",
-            _HERE / "causal_attention.cpp")
+            _HERE / "causal_attention.cpp", _HERE / "panel_linear.cpp")
 _HEADERS = (_HERE / "simd.h",)
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "error": None once loaded, else why it is unavailable
@@ -42,16 +44,35 @@ def kernel_cache_dir() -> Path:
                                Path.home() / ".cache" / "nxdi_serving" / "kernels"))
 
 
-def _cpu_identity() -> str:
-    """The CPU's feature flags: the build uses -march=native, so another CPU builds its own."""
+@functools.cache
+def _cpu_flags_line() -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
                 return line
     except OSError:
         pass
+    return None
+
+
+def _cpu_identity() -> str:
+    """The CPU's feature flags: the build uses -march=native, so another CPU builds its own."""
     import platform
-    return platform.processor() or platform.machine()
+    return _cpu_flags_line() or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The x86 CPU's feature flags from /proc/cpuinfo (empty elsewhere)."""
+    line = _cpu_flags_line()
+    return frozenset(line.split(":", 1)[1].split()) if line else frozenset()
+
+
+def panels_suit_this_cpu() -> bool:
+    """True on x86 CPUs with AVX2 and FMA but without bfloat16 dot products (avx512_bf16,
+    amx_bf16): there our panel kernel's float32 products beat torch's bfloat16 GEMM, which
+    converts element by element (modules/linear.py); with them, oneDNN's bfloat16 kernels win."""
+    flags = cpu_flags()
+    return {"avx2", "fma"} <= flags and not flags & {"avx512_bf16", "amx_bf16"}
 
 
 def _build_name() -> str:

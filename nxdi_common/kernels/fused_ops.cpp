@@ -60,6 +60,18 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, floa
         acc0 = _mm512_fmadd_ps(a, a, acc0);
       }
       ss = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(__AVX2__) && defined(__FMA__)
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      for (; i + 16 <= n; i += 16) {
+        const __m256 a = load8(xr + i), b = load8(xr + i + 8);
+        acc0 = _mm256_fmadd_ps(a, a, acc0);
+        acc1 = _mm256_fmadd_ps(b, b, acc1);
+      }
+      for (; i + 8 <= n; i += 8) {
+        const __m256 a = load8(xr + i);
+        acc0 = _mm256_fmadd_ps(a, a, acc0);
+      }
+      ss = reduce_add8(_mm256_add_ps(acc0, acc1));
 #endif
       for (; i < n; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
       const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
@@ -69,6 +81,12 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, floa
       for (; i + 16 <= n; i += 16) {
         const __m512 normed = round16<T>(_mm512_mul_ps(load16(xr + i), vs));
         store16(yr + i, _mm512_mul_ps(load16(w + i), normed));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 vs = _mm256_set1_ps(scale);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 normed = round8<T>(_mm256_mul_ps(load8(xr + i), vs));
+        store8(yr + i, _mm256_mul_ps(load8(w + i), normed));
       }
 #endif
       for (; i < n; ++i)
@@ -119,6 +137,14 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t batch, in
             const __m512 a = round16<T>(_mm512_mul_ps(load16(xr + i), load16(c + i)));
             const __m512 b = round16<T>(_mm512_mul_ps(load16(xr + j), load16(sn + i)));
             store16(yr + i, _mm512_add_ps(a, b));
+          }
+#elif defined(__AVX2__) && defined(__FMA__)
+        if (half % 8 == 0)
+          for (; i < d; i += 8) {
+            const int64_t j = i < half ? i + half : i - half;
+            const __m256 a = round8<T>(_mm256_mul_ps(load8(xr + i), load8(c + i)));
+            const __m256 b = round8<T>(_mm256_mul_ps(load8(xr + j), load8(sn + i)));
+            store8(yr + i, _mm256_add_ps(a, b));
           }
 #endif
         for (; i < d; ++i) {
@@ -173,6 +199,14 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
         const __m512 silu = round16<T>(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
         store16(y + i, _mm512_mul_ps(silu, load16(u + i)));
       }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 gv = load8(g + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 silu = round8<T>(_mm256_div_ps(gv, _mm256_add_ps(one, e)));
+        store8(y + i, _mm256_mul_ps(silu, load8(u + i)));
+      }
 #endif
       for (; i < n; ++i) {
         const float gv = to_float(g[i]);
@@ -198,9 +232,9 @@ at::Tensor silu_mul(const at::Tensor& x_in) {
 }
 
 // Top-k of one float32 row, sorted by value (descending), equal values by index (ascending);
-// NaN counts as larger than any number, as in torch.topk. With AVX-512 and a row of at least
-// 8k values: the k chunk maxima of k equal chunks bound the k-th largest value from below (each
-// chunk holds a value >= the smallest of them), so only the values >= that bound are sorted.
+// NaN counts as larger than any number, as in torch.topk. With AVX-512 or AVX2 and a row of at
+// least 8k values: the k chunk maxima of k equal chunks bound the k-th largest value from below
+// (each chunk holds a value >= the smallest of them), so only the values >= that bound are sorted.
 void topk_row(const float* x, int64_t n, int64_t k, float* values, int64_t* indices,
               std::vector<std::pair<float, int64_t>>& cand) {
   auto before = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
@@ -249,6 +283,44 @@ void topk_row(const float* x, int64_t n, int64_t k, float* values, int64_t* indi
         _mm512_mask_compressstoreu_epi32(idx, m, pos);
         _mm512_mask_compressstoreu_ps(val, m, v);
         for (int j = 0; j < cnt; ++j) cand.emplace_back(val[j], idx[j]);
+      }
+      for (; i < n; ++i)
+        if (x[i] >= bound) cand.emplace_back(x[i], i);
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8 * k) {  // as above, 8 at a time
+    const int64_t chunk = (n + k - 1) / k;
+    float bound = std::numeric_limits<float>::infinity();
+    __m256 nan = _mm256_setzero_ps();
+    for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+      const int64_t c1 = std::min(n, c0 + chunk);
+      __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      int64_t i = c0;
+      for (; i + 8 <= c1; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, v);
+      }
+      float m = reduce_max8(mx);
+      bool tail_nan = false;
+      for (; i < c1; ++i) {
+        tail_nan |= std::isnan(x[i]);
+        m = std::max(m, x[i]);
+      }
+      if (tail_nan) nan = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+      bound = std::min(bound, m);
+    }
+    if (_mm256_movemask_ps(nan) == 0) {  // every value >= bound is a candidate
+      all = false;
+      const __m256 vb = _mm256_set1_ps(bound);
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vb, _CMP_GE_OQ));
+        for (; m != 0; m &= m - 1) {
+          const int64_t j = i + __builtin_ctz(m);
+          cand.emplace_back(x[j], j);
+        }
       }
       for (; i < n; ++i)
         if (x[i] >= bound) cand.emplace_back(x[i], i);

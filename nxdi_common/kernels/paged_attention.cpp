@@ -35,7 +35,7 @@ struct Shapes {
 // the cache into a float32 tile; scores_tile (a query's scaled dot products with a tile's rows);
 // accumulate_tile (a tile's rows weighted by probabilities, into an accumulator); and softmax of
 // a score array in place (returning 1 / the sum). Portable C++ for any head_dim; AVX-512 for
-// head_dim = 16 * NV.
+// head_dim = 16 * NV; AVX2 (without AVX-512) for head_dim = 8 * NV.
 constexpr int64_t kMaxPortableDim = 512;
 
 struct PortableOps {
@@ -252,6 +252,85 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Avx512Ops' algorithm 8 floats at a time, for head_dim = 8 * NV on CPUs without AVX-512.
+template <int NV>
+struct Avx2Ops {
+  struct alignas(32) Row { __m256 v[NV]; };
+  template <typename T> void load(const T* src, Row& r) const {
+    for (int j = 0; j < NV; ++j) r.v[j] = load8(src + 8 * j);
+  }
+  void zero(Row& r) const { for (int j = 0; j < NV; ++j) r.v[j] = _mm256_setzero_ps(); }
+  template <typename T> void widen(const T* src, int64_t stride, int64_t count, float* dst) const {
+    for (int64_t o = 0; o < count; ++o)
+      for (int j = 0; j < NV; ++j)
+        _mm256_store_ps(dst + (o * NV + j) * 8, load8(src + o * stride + 8 * j));
+  }
+  __m256 dot_row(const float* tile, int64_t o, const Row& q) const {
+    const float* t = tile + o * NV * 8;
+    __m256 a = _mm256_mul_ps(q.v[0], _mm256_load_ps(t));
+    for (int j = 1; j < NV; ++j) a = _mm256_fmadd_ps(q.v[j], _mm256_load_ps(t + 8 * j), a);
+    return a;
+  }
+  void scores_tile(const float* tile, int64_t count, const Row& q, float scale, float* sc) const {
+    int64_t o = 0;
+    for (; o + 8 <= count; o += 8) {  // 8 dot products' lanes summed together by a hadd tree
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = dot_row(tile, o + i, q);
+      const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+      const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
+                                     _mm256_permute2f128_ps(t0, t1, 0x31));
+      _mm256_storeu_ps(sc + o, _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+    }
+    for (; o < count; ++o) sc[o] = reduce_add8(dot_row(tile, o, q)) * scale;
+  }
+  void accumulate_tile(const float* tile, int64_t count, const float* p, Row& acc) const {
+    __m256 a[NV], e[NV];  // even and odd rows: twice the independent FMA chains
+    for (int j = 0; j < NV; ++j) a[j] = acc.v[j], e[j] = _mm256_setzero_ps();
+    int64_t o = 0;
+    for (; o + 2 <= count; o += 2) {
+      const __m256 w0 = _mm256_set1_ps(p[o]), w1 = _mm256_set1_ps(p[o + 1]);
+      for (int j = 0; j < NV; ++j) {
+        a[j] = _mm256_fmadd_ps(w0, _mm256_load_ps(tile + (o * NV + j) * 8), a[j]);
+        e[j] = _mm256_fmadd_ps(w1, _mm256_load_ps(tile + ((o + 1) * NV + j) * 8), e[j]);
+      }
+    }
+    if (o < count) {
+      const __m256 w0 = _mm256_set1_ps(p[o]);
+      for (int j = 0; j < NV; ++j)
+        a[j] = _mm256_fmadd_ps(w0, _mm256_load_ps(tile + (o * NV + j) * 8), a[j]);
+    }
+    for (int j = 0; j < NV; ++j) acc.v[j] = _mm256_add_ps(a[j], e[j]);
+  }
+  void store(const Row& r, float* out) const {
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, r.v[j]);
+  }
+  float softmax(float* sc, int64_t len) const {
+    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sc + i));
+    float mx = reduce_max8(vmax);
+    for (; i < len; ++i) mx = std::max(mx, sc[i]);
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), vmx));
+      _mm256_storeu_ps(sc + t, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    if (t < len) {
+      const __m256i m = first_lanes8(len - t);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(sc + t, m), vmx));
+      _mm256_maskstore_ps(sc + t, m, e);
+      vsum = _mm256_add_ps(vsum, _mm256_and_ps(e, _mm256_castsi256_ps(m)));
+    }
+    return 1.f / reduce_add8(vsum);
+  }
+};
+#endif
+
 // attend_heads with the fastest Ops for this head_dim.
 template <typename... Args>
 void attend_heads_any(const Shapes& s, Args... args) {
@@ -264,6 +343,17 @@ void attend_heads_any(const Shapes& s, Args... args) {
     case 80: return attend_heads(Avx512Ops<5>{}, s, args...);
     case 96: return attend_heads(Avx512Ops<6>{}, s, args...);
     case 128: return attend_heads(Avx512Ops<8>{}, s, args...);
+    default: break;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  switch (s.dim) {
+    case 16: return attend_heads(Avx2Ops<2>{}, s, args...);
+    case 32: return attend_heads(Avx2Ops<4>{}, s, args...);
+    case 48: return attend_heads(Avx2Ops<6>{}, s, args...);
+    case 64: return attend_heads(Avx2Ops<8>{}, s, args...);
+    case 80: return attend_heads(Avx2Ops<10>{}, s, args...);
+    case 96: return attend_heads(Avx2Ops<12>{}, s, args...);
+    case 128: return attend_heads(Avx2Ops<16>{}, s, args...);
     default: break;
   }
 #endif

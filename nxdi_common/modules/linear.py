@@ -8,8 +8,12 @@ Two fast paths, both static per traced bucket:
   one decode step's 121 products on one thread took 37-40 ms at 4-16 rows against 25 ms packed
   (bench/bench_projections.py), and prefill gains too. The packed tensors are graph inputs like
   any weight (backends/weights.py), so a traced graph holds the packed call.
+* **Panels** for CPUs without bfloat16 dot products (AVX2; AVX-512 without avx512_bf16), where
+  torch's bfloat16 GEMM is 5-8x slower than its float32 one and oneDNN cannot pack bfloat16:
+  `pack_panels` reorders each weight once into [ceil(out / 16), in, 16] panels in its own dtype,
+  multiplied in float32 by our kernel (`torch.ops.nxdi.panel_linear`, kernels/panel_linear.cpp).
 * **Matrix-vector products** for one row of reduced-precision input with plain weights (the
-  layout when oneDNN is absent): torch.mv reads the weights about 30% faster than F.linear.
+  layout when neither applies): torch.mv reads the weights about 30% faster than F.linear.
 
 Shapes are rebuilt from Python ints the module knows (never from `x.shape`): a traced graph then
 holds constants instead of size/NumToTensor/Int bookkeeping nodes, which at batch 1 cost about as
@@ -26,7 +30,8 @@ from torch import nn
 
 _MV_DTYPES = (torch.bfloat16, torch.float16)
 # The layouts a CPU model's linear weights can have (NeuronConfig.cpu_weight_layout resolves to one).
-PLAIN, ONEDNN = "plain", "onednn"
+PLAIN, ONEDNN, PANELS = "plain", "onednn", "panels"
+PANEL_WIDTH = 16  # output columns per panel (kernels/panel_linear.cpp)
 # Rows the packed layout is chosen for; oneDNN's choice barely depends on it (1 to 128 rows all ran
 # within 5% of each other for decode and prefill shapes).
 _PACK_ROWS_HINT = 16
@@ -71,6 +76,15 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS_HINT)
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight as [ceil(out / 16), in, 16] panels: panels[p, k, j] = weight[16p + j, k],
+    zero past the last output."""
+    out_features, in_features = weight.shape
+    padded = -(-out_features // PANEL_WIDTH) * PANEL_WIDTH
+    w = F.pad(weight.detach(), (0, 0, 0, padded - out_features))
+    return w.view(padded // PANEL_WIDTH, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+
+
 class Linear(nn.Linear):
     """nn.Linear with the packed and matrix-vector fast paths (module doc), and `add_to`, which
     folds a residual addition into the same kernel."""
@@ -81,9 +95,14 @@ class Linear(nn.Linear):
     def _unflatten(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return y.view([1] * (x.dim() - 1) + [self.out_features])
 
+    def _panels(self) -> bool:
+        return self.weight.dim() == 3  # pack_panels' layout
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.is_mkldnn:
             return onednn_ops()[0](x, self.weight, self.bias)
+        if self._panels():
+            return torch.ops.nxdi.panel_linear(x, self.weight, self.out_features, self.bias)
         if not self._single_row(x):
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:
@@ -96,32 +115,37 @@ class Linear(nn.Linear):
             return residual + self(x)
         if self.weight.is_mkldnn:
             return onednn_ops()[1](x, residual, self.weight)
+        if self._panels():
+            return torch.ops.nxdi.panel_linear(x, self.weight, self.out_features, None, residual)
         if self._single_row(x):
             return self._unflatten(torch.addmv(residual.view(-1), self.weight, x.view(-1)), x)
         out = torch.addmm(residual.flatten(0, -2), x.flatten(0, -2), self.weight.t())
         return out.view_as(residual)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Give every Linear of `model` a oneDNN-packed copy of its weight in place of the plain one
-    (modules that own a `pack()` method, such as QuantizedLinear, pack themselves); returns how
-    many were packed. A weight shared with a module that is not a Linear (the embedding of a tied
-    LM head) stays plain there: the Linear gets its own packed copy.
+def pack_linear_weights(model: nn.Module, layout: str = ONEDNN) -> int:
+    """Give every Linear of `model` a copy of its weight in `layout` (ONEDNN: oneDNN-packed;
+    PANELS: pack_panels) in place of the plain one (for ONEDNN, modules that own a `pack()`
+    method, such as QuantizedLinear, pack themselves); returns how many were packed. A weight
+    shared with a module that is not a Linear (the embedding of a tied LM head) stays plain there:
+    the Linear gets its own packed copy.
 
     The plain parameters left (embedding, norms, biases, int8 weights) are then copied out of the
     checkpoint: they are views of one memory-mapped file, whose pages packing has read, so a
     single one of them would keep the whole file resident next to the packed copies."""
-    packed = 0
+    pack = pack_weight if layout == ONEDNN else pack_panels
+    packed, done = 0, set()  # ids of the packed copies
     for module in model.modules():
-        if isinstance(module, Linear) and not module.weight.is_mkldnn:
-            module.weight = nn.Parameter(pack_weight(module.weight), requires_grad=False)
+        if isinstance(module, Linear) and not module.weight.is_mkldnn and not module._panels():
+            module.weight = nn.Parameter(pack(module.weight), requires_grad=False)
+            done.add(id(module.weight))
             packed += 1
-        elif hasattr(module, "pack") and callable(module.pack):
+        elif layout == ONEDNN and hasattr(module, "pack") and callable(module.pack):
             packed += module.pack()
     copies: dict[int, nn.Parameter] = {}  # one copy per distinct parameter: aliases stay aliases
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is not None and not param.is_mkldnn:
+            if param is not None and not param.is_mkldnn and id(param) not in done:
                 if id(param) not in copies:
                     copies[id(param)] = nn.Parameter(param.detach().clone(), requires_grad=False)
                 module._parameters[name] = copies[id(param)]

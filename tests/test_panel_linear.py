@@ -1,0 +1,208 @@
+"""The panel layout for linear weights (modules/linear.py, kernels/panel_linear.cpp): the kernel's
+product is the exact product rounded once to the dtype, to float32 summation error, for every
+tile shape (1-6 rows, a widened panel from 24 rows), partial panels, bias and residual; Linear
+uses it when its weight is in panels, traced graphs take panels as inputs, a model built with it
+gives the plain layout's tokens, "auto" picks it only on CPUs without bfloat16 dot products, and
+bad arguments are refused with the argument named."""
+import io
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nxdi_common import kernels
+from nxdi_common.application_base import MANIFEST
+from nxdi_common.config import NeuronConfig
+from nxdi_common.models.llama import NeuronLlamaForCausalLM
+from nxdi_common.models.llama.modeling_llama import LlamaInferenceConfig
+from nxdi_common.modules.linear import PANELS, PLAIN, Linear, pack_linear_weights, pack_panels
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return kernels.fused_ops()
+
+
+def assert_rounded_product(got, x, w, bias=None, residual=None):
+    """got == dtype(x @ w.T + bias + residual) up to float32 summation error: within half an ulp
+    of the dtype (it is rounded once) plus K * 2^-23 times the sum of |x_k w_k|."""
+    exact = x.double() @ w.double().T
+    bound = (x.double().abs() @ w.double().abs().T) * (x.shape[-1] * 2.0 ** -23)
+    for extra in (bias, residual):
+        if extra is not None:
+            exact = exact + extra.double()
+    eps = torch.finfo(got.dtype).eps
+    err = (got.double() - exact).abs()
+    assert got.dtype == x.dtype and got.shape == exact.shape
+    assert bool((err <= eps * exact.abs() + bound + 1e-30).all()), (err - eps * exact.abs()).max()
+
+
+def test_pack_panels_layout():
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3).bfloat16()
+    p = pack_panels(w)
+    assert p.shape == (2, 3, 16) and p.dtype == torch.bfloat16
+    for n in range(20):
+        assert torch.equal(p[n // 16, :, n % 16], w[n])
+    assert torch.equal(p[1, :, 4:], torch.zeros(3, 12, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 24, 30, 301])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_product_is_the_rounded_exact_product(ops, rows, wdtype):
+    g = torch.Generator().manual_seed(rows)
+    out_features, in_features = 40, 77  # a partial last panel, an odd K
+    w = torch.randn(out_features, in_features, generator=g).to(wdtype)
+    xdtype = torch.float32 if wdtype == torch.float32 else wdtype
+    x = torch.randn(rows, in_features, generator=g).to(xdtype)
+    assert_rounded_product(ops.panel_linear(x, pack_panels(w), out_features), x, w)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 64), (2, 9, 64)])
+def test_bias_and_residual_are_added_before_the_one_rounding(ops, shape):
+    g = torch.Generator().manual_seed(len(shape))
+    w = torch.randn(24, 64, generator=g).bfloat16()
+    x = torch.randn(shape, generator=g).bfloat16()
+    bias = torch.randn(24, generator=g).bfloat16()
+    residual = (torch.randn(shape[:-1] + (24,), generator=g) * 4).bfloat16()
+    p = pack_panels(w)
+    assert_rounded_product(ops.panel_linear(x, p, 24, bias), x, w, bias=bias)
+    assert_rounded_product(ops.panel_linear(x, p, 24, None, residual), x, w, residual=residual)
+    assert_rounded_product(ops.panel_linear(x, p, 24, bias, residual), x, w, bias, residual)
+
+
+def test_strided_input_is_read_as_its_values(ops):
+    w = torch.randn(32, 48).bfloat16()
+    x = torch.randn(4, 2, 48).bfloat16()[:, 1]
+    assert not x.is_contiguous()
+    assert torch.equal(ops.panel_linear(x, pack_panels(w), 32),
+                       ops.panel_linear(x.contiguous(), pack_panels(w), 32))
+
+
+def test_bad_arguments_are_refused(ops):
+    p = pack_panels(torch.randn(40, 16).bfloat16())
+    x = torch.randn(2, 16).bfloat16()
+    for call, match in (
+            (lambda: ops.panel_linear(x, p[0], 40), "panels must be \\[P, K, 16\\]"),
+            (lambda: ops.panel_linear(torch.randn(2, 8).bfloat16(), p, 40), "x must be \\[..., 16\\]"),
+            (lambda: ops.panel_linear(x, p, 50), "3 panels cannot hold 50 outputs"),
+            (lambda: ops.panel_linear(x, p, 40, torch.randn(39).bfloat16()), "bias must be \\[40\\]"),
+            (lambda: ops.panel_linear(x, p, 40, None, torch.randn(2, 41).bfloat16()),
+             "residual must be"),
+            (lambda: ops.panel_linear(x.double(), p, 40), "x dtype Double is not supported")):
+        with pytest.raises(RuntimeError, match=match):
+            call()
+
+
+def _pair(bias: bool):
+    torch.manual_seed(0)
+    plain = Linear(40, 48, bias=bias, dtype=torch.bfloat16)
+    paneled = Linear(40, 48, bias=bias, dtype=torch.bfloat16)
+    paneled.load_state_dict(plain.state_dict())
+    assert pack_linear_weights(paneled, PANELS) == 1 and paneled.weight.shape == (3, 40, 16)
+    return plain, paneled
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 40), (3, 40), (2, 5, 40)])
+def test_linear_with_panels_computes_forward_and_add_to(bias, shape):
+    plain, paneled = _pair(bias)
+    x = torch.randn(shape).bfloat16()
+    residual = torch.randn(shape[:-1] + (48,)).bfloat16()
+    b = None if plain.bias is None else plain.bias.detach()
+    assert_rounded_product(paneled(x), x, plain.weight.detach(), bias=b)
+    got = paneled.add_to(residual, x)
+    if b is None:
+        assert_rounded_product(got, x, plain.weight.detach(), residual=residual)
+    else:  # with a bias, add_to rounds the product first, then adds (as the plain path does)
+        assert torch.equal(got, residual + paneled(x))
+
+
+def test_a_traced_graph_takes_the_panels_as_an_input():
+    plain, paneled = _pair(bias=False)
+    x = torch.randn(4, 40, dtype=torch.bfloat16)
+
+    def graph(x, weights):
+        paneled.weight = weights[0]
+        return paneled(x)
+    traced = torch.jit.trace(graph, (x, (paneled.weight,)), check_trace=False)
+    assert "nxdi::panel_linear" in str(traced.inlined_graph)
+    buf = io.BytesIO()
+    torch.jit.save(traced, buf)
+    buf.seek(0)
+    loaded = torch.jit.load(buf)
+    assert torch.equal(loaded(x, (paneled.weight,)), paneled(x))
+    other = torch.randn(48, 40, dtype=torch.bfloat16)
+    assert_rounded_product(loaded(x, (pack_panels(other),)), x, other)
+
+
+def config(**overrides) -> NeuronConfig:
+    kwargs = dict(batch_size=2, seq_len=64, torch_dtype=torch.bfloat16, enable_bucketing=True,
+                  context_encoding_buckets=[32, 64], token_generation_buckets=[64], backend="cpu",
+                  fused_qkv=True)
+    kwargs.update(overrides)
+    return NeuronConfig(**kwargs)
+
+
+def greedy(model, steps: int = 6) -> torch.Tensor:
+    model.reset()
+    prompt = (torch.arange(40) * 37 + 11).remainder(256).view(2, 20)
+    logits = [model(prompt).logits]
+    for _ in range(steps):
+        logits.append(model(logits[-1].argmax(-1, keepdim=True)).logits)
+    return torch.stack(logits)
+
+
+def test_compiled_model_with_panels_gives_the_plain_layouts_tokens(tiny_llama_ckpt, tmp_path,
+                                                                   compile_cache_dir):
+    """bf16 model compiled with panels and with plain weights: every projection of the panel
+    graphs is the kernel (none is a plain product), the greedy tokens agree and the logits agree
+    to bf16 rounding; the manifest records the layout and a plain config refuses the folder."""
+    runs = {}
+    for layout in (PANELS, PLAIN):
+        model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=config(
+            cpu_weight_layout=layout))
+        model.compile(tmp_path / layout)
+        model.load(tmp_path / layout)
+        assert model.weight_layout == layout
+        assert json.loads((tmp_path / layout / MANIFEST).read_text())["weight_layout"] == layout
+        graph = str(next(iter(model.token_generation_model.runnables.values())).inlined_graph)
+        if layout == PANELS:  # 2 layers x (qkv, o, gate_up, down) + LM head
+            assert graph.count("nxdi::panel_linear") == 9
+            assert "aten::linear" not in graph and "aten::mv" not in graph
+        runs[layout] = greedy(model)
+    assert torch.equal(runs[PANELS].argmax(-1), runs[PLAIN].argmax(-1))
+    torch.testing.assert_close(runs[PANELS], runs[PLAIN], rtol=0, atol=0.05)
+    other = NeuronLlamaForCausalLM(tiny_llama_ckpt,
+                                   config=LlamaInferenceConfig.load(tmp_path / PLAIN))
+    with pytest.raises(ValueError, match="compiled for 'plain' linear weights"):
+        other.neuron_config.cpu_weight_layout = PANELS
+        other.load(tmp_path / PLAIN)
+
+
+def test_auto_picks_panels_only_without_bf16_dot_products(tiny_llama_ckpt, monkeypatch):
+    model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=config())
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert model.resolve_weight_layout("cpu") == PANELS
+    assert model.resolve_weight_layout("neuron") == PLAIN
+    fp32 = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=config(torch_dtype=torch.float32))
+    assert fp32.resolve_weight_layout("cpu") == PLAIN
+    monkeypatch.setattr(kernels, "cpu_flags",
+                        lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    assert model.resolve_weight_layout("cpu") != PANELS
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset())  # not x86, or unknown
+    assert model.resolve_weight_layout("cpu") != PANELS
+
+
+def test_explicit_panels_without_the_kernels_is_refused(tiny_llama_ckpt, monkeypatch):
+    with pytest.raises(ValueError, match="cpu_weight_layout must be one of"):
+        config(cpu_weight_layout="tiles")
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_build_and_load",
+                        lambda: (_ for _ in ()).throw(OSError("no C++ compiler")))
+    model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=config(
+        cpu_weight_layout=PANELS))
+    with pytest.raises(ValueError, match="'panels' cannot be used: .*no C\\+\\+ compiler"):
+        model.resolve_weight_layout("cpu")
