@@ -1,12 +1,16 @@
 """Time of one decode step's weight products for SmolLM2-135M's shapes (4 fused projections x 30
 layers + the LM head = 121 products) by number of rows: bf16 with plain weights (torch.mv at one row,
-F.linear above, as modules.linear does without oneDNN), bf16 with oneDNN-packed weights (the CPU
-default, modules.linear.pack_weight) and int8 weights through torch's weight-only kernel
-(modules.quantization).
+F.linear above, as modules.linear does without a packed layout), bf16 with oneDNN-packed weights
+(the default where the CPU has bf16 dot products, modules.linear.pack_weight), bf16 in panels
+(our kernel, the default on CPUs without them, modules.linear.pack_panels), float32 with plain
+weights (torch's MKL sgemm: what the panels are measured against) and int8 weights through torch's
+weight-only kernel (modules.quantization). Past 64 rows (a prefill) the LM head is left out: a
+prefill computes it for one row.
 
-    python bench/bench_projections.py [--threads 1] [--rows 1 4 8 16]
+    python bench/bench_projections.py [--threads 1] [--rows 1 4 8 16 32 512]
 
-Random weights; median of 7 after 2 warm-up passes."""
+Random weights; median of 7 after 2 warm-up passes; '-' where the CPU or torch build cannot run
+a layout."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +21,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nxdi_common.modules.linear import onednn_ops, pack_weight
+from nxdi_common import kernels
+from nxdi_common.modules.linear import (onednn_ops, onednn_unavailable_reason, pack_panels,
+                                       pack_weight)
 
 SHAPES = [(576 + 2 * 192, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -36,22 +42,34 @@ def median_ms(fn, inputs) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16, 32])
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     bf16 = [torch.randn(s, dtype=torch.bfloat16) for s in SHAPES]
+    fp32 = [w.float() for w in bf16]
     int8 = [torch.randint(-127, 128, s, dtype=torch.int8) for s in SHAPES]
     scales = [torch.rand(s[0], dtype=torch.bfloat16) for s in SHAPES]
-    linear, _ = onednn_ops()
-    packed = [pack_weight(w) for w in bf16]
-    print("| rows | bf16 plain (ms) | bf16 packed (ms) | int8 (ms) |\n|---|---|---|---|")
+    onednn = onednn_unavailable_reason(torch.bfloat16) is None
+    packed = [pack_weight(w) for w in bf16] if onednn else None
+    panels = ([pack_panels(w) for w in bf16] if kernels.kernels_unavailable_reason() is None
+              else None)
+    print("| rows | bf16 plain (ms) | bf16 oneDNN-packed (ms) | bf16 panels (ms) | fp32 plain (ms) "
+          "| int8 (ms) |\n|---|---|---|---|---|---|")
     for m in args.rows:
-        xs = [torch.randn(m, s[1], dtype=torch.bfloat16) for s in SHAPES]
-        dense = median_ms((lambda w, x: torch.mv(w, x[0])) if m == 1 else
-                          (lambda w, x: F.linear(x, w)), list(zip(bf16, xs)))
-        onednn = median_ms(lambda w, x: linear(x, w, None), list(zip(packed, xs)))
-        quant = median_ms(torch.ops.aten._weight_int8pack_mm, list(zip(xs, int8, scales)))
-        print(f"| {m} | {dense:.1f} | {onednn:.1f} | {quant:.1f} |", flush=True)
+        n = len(SHAPES) if m <= 64 else len(SHAPES) - 1
+        xs = [torch.randn(m, s[1], dtype=torch.bfloat16) for s in SHAPES[:n]]
+        cells = [median_ms((lambda w, x: torch.mv(w, x[0])) if m == 1 else
+                           (lambda w, x: F.linear(x, w)), list(zip(bf16, xs)))]
+        cells.append(median_ms(lambda w, x: onednn_ops()[0](x, w, None), list(zip(packed, xs)))
+                     if packed else None)
+        cells.append(median_ms(lambda w, x, o: torch.ops.nxdi.panel_linear(x, w, o),
+                               [(w, x, s[0]) for w, x, s in zip(panels, xs, SHAPES)])
+                     if panels else None)
+        cells.append(median_ms(lambda w, x: F.linear(x, w),
+                               [(w, x.float()) for w, x in zip(fp32, xs)]))
+        cells.append(median_ms(torch.ops.aten._weight_int8pack_mm, list(zip(xs, int8, scales))))
+        print(f"| {m} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |",
+              flush=True)
     return 0
 
 

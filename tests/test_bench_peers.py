@@ -223,3 +223,14 @@ def test_llama_wheel_cache_reused(tmp_path):
     wheel = wheel_dir / f"llama_cpp_python-{peers.LLAMA_CPP_VERSION}-cp311-cp311-linux_x86_64.whl"
     wheel.write_bytes(b"")
     assert peers._cached_llama_wheel(tmp_path) == wheel
+
+
+def test_llama_cpp_is_built_for_the_cpus_vector_width():
+    """An AVX-512 build dies on its first instruction on an AVX2-only CPU (and AMX faults where
+    it is listed): the flags follow the CPU, AMX always off."""
+    avx512 = peers.llama_cpp_cmake_args(frozenset({"avx2", "fma", "avx512f", "amx_tile"}))
+    avx2 = peers.llama_cpp_cmake_args(frozenset({"avx2", "fma", "f16c"}))
+    assert "-DGGML_AVX512=ON" in avx512 and "-DGGML_AVX512" not in avx2
+    assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_FMA=ON" in avx2
+    for args in (avx512, avx2):
+        assert "-DGGML_NATIVE=OFF" in args and "-DGGML_AMX_TILE=OFF" in args

@@ -34,7 +34,7 @@ TORCH_OPS, FUSED = "torch", "fused"
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "paged_attention.cpp", _HERE / "fused_ops.cpp",
             _HERE / "causal_attention.cpp", _HERE / "panel_linear.cpp")
-_HEADERS = (_HERE / "simd.h",)
+_HEADERS = (_HERE / "simd.h", _HERE / "panel_tile.h")
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "error": None once loaded, else why it is unavailable
 

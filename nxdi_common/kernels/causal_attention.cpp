@@ -17,9 +17,10 @@
 // e^(s - running max) summed in float32, probabilities rounded to the dtype for the P.V product,
 // float32 accumulation, one division and one rounding at the end; results agree with torch's
 // SDPA to the dtype's rounding (not bit for bit).
-// bfloat16 and float16 with head_dim a multiple of 64 and scale > 0; anything else (and CPUs
-// without AVX-512 or where oneDNN cannot pack the dtype) runs torch's SDPA inside the op, so
-// callers need no check.
+// bfloat16 and float16 with head_dim a multiple of 64 and scale > 0; CPUs with AVX2 but not
+// AVX-512 run a float32 variant (below); anything else (other CPUs, or AVX-512 where oneDNN
+// cannot pack the dtype) runs torch's SDPA inside the op, so callers need no check.
+#include "panel_tile.h"
 #include "simd.h"
 
 #include <ATen/Parallel.h>
@@ -39,9 +40,11 @@
 namespace {
 
 #if defined(__AVX512F__)
-constexpr bool kHaveKernel = true;
+constexpr bool kHaveKernel = true, kBrgemm = true;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr bool kHaveKernel = true, kBrgemm = false;  // the float32 panel-tile path below
 #else
-constexpr bool kHaveKernel = false;
+constexpr bool kHaveKernel = false, kBrgemm = false;
 #endif
 
 using namespace nxdi_simd;
@@ -264,7 +267,183 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   });
 }
 
-#endif  // __AVX512F__
+#elif defined(__AVX2__) && defined(__FMA__)
+// Without AVX-512 (AVX2 and FMA, where oneDNN has no bfloat16 brgemm): the same query blocks, key
+// chunks and online softmax in float32, the products by our panel tile (panel_tile.h). K is
+// widened once per (batch, KV head) into panels of 16 keys (kp[p][d][j] = K[16p + j][d]) and V
+// into panels of 16 head-dim columns (vp[c][key][j] = V[key][16c + j]). Probabilities stay
+// float32 (torch rounds them to the dtype), so results are nearer float32 attention than torch's.
+using nxdi_tile::kMR;
+using nxdi_tile::kNR;
+using nxdi_tile::tile_rows;
+
+template <typename T>
+void widen_kv(const T* k, const T* v, int64_t k_pos_stride, int64_t v_pos_stride,
+              const Shape& s, float* kp, float* vp) {
+  for (int64_t key = 0; key < s.seq_pad; ++key) {
+    const int64_t p = key / kNR, j = key % kNR;
+    for (int64_t d = 0; d < s.dim; ++d) {
+      const bool in = key < s.seq;
+      kp[(p * s.dim + d) * kNR + j] = in ? to_float(k[key * k_pos_stride + d]) : 0.f;
+      vp[((d / kNR) * s.seq_pad + key) * kNR + d % kNR] =
+          in ? to_float(v[key * v_pos_stride + d]) : 0.f;
+    }
+  }
+}
+
+// e^x for x <= 0 as exp_nonpositive16 computes it (below -87: e^-87).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147180559945309f), x);
+  __m256 p = _mm256_set1_ps(1.f / 120.f);
+  for (float c : {1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// softmax_step (above) 8 at a time, probabilities in float32; w a multiple of 8.
+float softmax_step(const float* scores, int64_t n, int64_t w, float scale, float& row_max,
+                   float& row_sum, float* p) {
+  const int64_t full = n / 8 * 8;
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < full; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + j));
+  float mx = reduce_max8(vmax);
+  for (int64_t j = full; j < n; ++j) mx = std::max(mx, scores[j]);
+  const float new_max = std::max(row_max, mx * scale);
+  const __m256 vscale = _mm256_set1_ps(scale), vneg = _mm256_set1_ps(-new_max);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j < full; j += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_fmadd_ps(_mm256_loadu_ps(scores + j), vscale, vneg));
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(p + j, e);
+  }
+  if (j < n) {
+    const __m256 keep = _mm256_castsi256_ps(first_lanes8(n - j));
+    const __m256 e = _mm256_and_ps(
+        keep, exp_nonpositive8(_mm256_fmadd_ps(_mm256_loadu_ps(scores + j), vscale, vneg)));
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(p + j, e);
+    j += 8;
+  }
+  for (; j < w; j += 8) _mm256_storeu_ps(p + j, _mm256_setzero_ps());
+  const float shrink = row_max == -std::numeric_limits<float>::infinity()
+                           ? 0.f : std::exp(row_max - new_max);
+  row_max = new_max;
+  row_sum = row_sum * shrink + reduce_add8(sum);
+  return shrink;
+}
+
+struct Scratch {
+  explicit Scratch(int64_t rows, int64_t dim)
+      : q(rows * dim), probs(rows * kLd), scores(rows * kLd), acc(rows * dim), row_max(rows),
+        row_sum(rows) {}
+  std::vector<float> q, probs, scores, acc, row_max, row_sum;
+};
+
+// rows [r0, r0 + n) of the block: scores[r][0, width) = q_r . key c + j (all `width` keys from c).
+void block_scores(const float* q, const float* kp, const Shape& s, int64_t c, int64_t width,
+                  float* scores, int64_t r0, int n) {
+  float t[kMR * kNR];
+  for (int64_t p = 0; p < width / kNR; ++p) {
+    tile_rows(n, q + r0 * s.dim, s.dim, kp + (c / kNR + p) * s.dim * kNR, s.dim, t);
+    for (int r = 0; r < n; ++r)
+      std::copy(t + r * kNR, t + (r + 1) * kNR, scores + (r0 + r) * kLd + p * kNR);
+  }
+}
+
+// rows [r0, r0 + n): acc[r] += probs[r][0, width) . V[c, c + width).
+void block_values(const float* probs, const float* vp, const Shape& s, int64_t c, int64_t width,
+                  float* acc, int64_t r0, int n) {
+  float t[kMR * kNR];
+  for (int64_t d = 0; d < s.dim / kNR; ++d) {
+    tile_rows(n, probs + r0 * kLd, kLd, vp + (d * s.seq_pad + c) * kNR, width, t);
+    for (int r = 0; r < n; ++r) {
+      float* a = acc + (r0 + r) * s.dim + d * kNR;
+      for (int64_t j = 0; j < kNR; ++j) a[j] += t[r * kNR + j];
+    }
+  }
+}
+
+template <typename T>
+void attend_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, const float* kp,
+                  const float* vp, const Shape& s, int64_t start, float scale, T* out,
+                  int64_t out_pos_stride, Scratch& w) {
+  const int64_t rows = s.group() * kQueryBlock;
+  for (int64_t h = 0; h < s.group(); ++h)
+    for (int64_t i = 0; i < kQueryBlock; ++i) {
+      float* dst = w.q.data() + (h * kQueryBlock + i) * s.dim;
+      const int64_t pos = start + i;
+      for (int64_t d = 0; d < s.dim; ++d)
+        dst[d] = pos < s.seq ? to_float(q[h * q_head_stride + pos * q_pos_stride + d]) : 0.f;
+    }
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.row_sum.begin(), w.row_sum.end(), 0.f);
+  const int64_t end = std::min(start + kQueryBlock, s.seq);
+  for (int64_t c = 0; c < end; c += kChunk) {
+    const int64_t width = round_up(std::min(kChunk, end - c), kNR);
+    for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+      const int n = static_cast<int>(std::min<int64_t>(kMR, rows - r0));
+      block_scores(w.q.data(), kp, s, c, width, w.scores.data(), r0, n);
+      for (int64_t r = r0; r < r0 + n; ++r) {
+        const int64_t pos = start + r % kQueryBlock;
+        const int64_t keys = std::min(std::min(pos + 1, s.seq) - c, width);
+        const float shrink = softmax_step(w.scores.data() + r * kLd, keys, width, scale,
+                                          w.row_max[r], w.row_sum[r], w.probs.data() + r * kLd);
+        if (shrink != 1.f)
+          for (int64_t d = 0; d < s.dim; ++d) w.acc[r * s.dim + d] *= shrink;
+      }
+      block_values(w.probs.data(), vp, s, c, width, w.acc.data(), r0, n);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t pos = start + r % kQueryBlock;
+    if (pos >= s.seq) continue;
+    const __m256 inv = _mm256_set1_ps(1.f / w.row_sum[r]);
+    T* o = out + pos * out_pos_stride + (r / kQueryBlock) * s.dim;
+    for (int64_t d = 0; d < s.dim; d += 8)
+      store8(o + d, _mm256_mul_ps(_mm256_loadu_ps(w.acc.data() + r * s.dim + d), inv));
+  }
+}
+
+template <typename T>
+void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           float scale, at::Tensor& out, const Shape& s) {
+  const T* qd = q.data_ptr<T>();
+  const T* kd = k.data_ptr<T>();
+  const T* vd = v.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  const int64_t pairs = s.batch * s.kv_heads, panel_elems = s.seq_pad * s.dim;
+  std::vector<float> wide(2 * pairs * panel_elems);  // every element is written by widen_kv
+  float* kwide = wide.data();
+  float* vwide = kwide + pairs * panel_elems;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / s.kv_heads, g = i % s.kv_heads;
+      widen_kv(kd + b * k.stride(0) + g * k.stride(1), vd + b * v.stride(0) + g * v.stride(1),
+               k.stride(2), v.stride(2), s, kwide + i * panel_elems, vwide + i * panel_elems);
+    }
+  });
+  const int64_t blocks = (s.seq + kQueryBlock - 1) / kQueryBlock;
+  at::parallel_for(0, pairs * blocks, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(s.group() * kQueryBlock, s.dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t pair = i % pairs, block = blocks - 1 - i / pairs;  // longest blocks first
+      const int64_t b = pair / s.kv_heads, g = pair % s.kv_heads;
+      attend_block(qd + b * q.stride(0) + g * s.group() * q.stride(1), q.stride(2), q.stride(1),
+                   kwide + pair * panel_elems, vwide + pair * panel_elems, s,
+                   block * kQueryBlock, scale, od + b * out.stride(0) + g * s.group() * s.dim,
+                   out.stride(1), scratch);
+    }
+  });
+}
+
+#endif  // __AVX512F__, __AVX2__
 
 // q [B, H, S, D], k and v [B, Hkv, S, D] (any strides with the last dimension contiguous):
 // causal attention of every position over positions 0..itself, query head h reading KV head
@@ -284,13 +463,13 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const at::ScalarType dtype = q.scalar_type();
   const bool kernel = kHaveKernel && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
                       s.dim % kPanel == 0 && q.stride(3) == 1 && k.stride(3) == 1 &&
-                      v.stride(3) == 1 && scale > 0 && blas::could_pack(dtype);
+                      v.stride(3) == 1 && scale > 0 && (!kBrgemm || blas::could_pack(dtype));
   if (!kernel) {
     return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, scale, true)
         .transpose(1, 2).contiguous();
   }
   at::Tensor out = at::empty({s.batch, s.seq, s.heads, s.dim}, q.options());
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (dtype == at::kBFloat16)
     causal_attention_impl<c10::BFloat16>(q, k, v, static_cast<float>(scale), out, s);
   else
