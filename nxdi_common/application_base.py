@@ -28,7 +28,7 @@ SHARDED_WEIGHTS = Path("weights") / "tp0_sharded_checkpoint.safetensors"
 _GRAPH_NEURON_FIELDS = ("torch_dtype", "attention_dtype", "seq_len", "max_context_length",
                         "tp_degree", "max_batch_size", "fused_qkv", "qk_layernorm", "output_logits",
                         "is_block_kv_layout", "pa_block_size", "pa_num_blocks", "kv_cache_quant",
-                        "quantized", "modules_to_not_convert")
+                        "quantized", "modules_to_not_convert", "max_context_batch_tokens")
 _GRAPH_MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
                        "num_key_value_heads", "num_hidden_layers", "vocab_size", "head_dim")
 

@@ -152,6 +152,10 @@ class NeuronConfig(ConfigBase):
     is_continuous_batching: bool = False
     max_batch_size: Optional[int] = None
     ctx_batch_size: Optional[int] = None
+    # extension: context-encoding buckets of more than one prompt only where batch x length is at
+    # most this many tokens (one prompt runs alone at every length); None: every pair. Batching
+    # long prompts gains nothing on CPU, and every (batch, length) bucket is traced and warmed up.
+    max_context_batch_tokens: Optional[int] = None
     tkg_batch_size: Optional[int] = None
     is_block_kv_layout: bool = False
     pa_num_blocks: Optional[int] = None
@@ -216,6 +220,7 @@ class NeuronConfig(ConfigBase):
                      "cc_pipeline_tiling_factor"):
             check_int(name, getattr(self, name))
         check_int("scratchpad_page_size", self.scratchpad_page_size, optional=True)
+        check_int("max_context_batch_tokens", self.max_context_batch_tokens, optional=True)
         if self.max_context_length > self.seq_len:
             raise ValueError(f"max_context_length ({self.max_context_length}) must be <= seq_len "
                              f"({self.seq_len}); raise seq_len or lower max_context_length")

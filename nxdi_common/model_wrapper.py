@@ -46,7 +46,15 @@ class ModelWrapper:
         return [nc.ctx_batch_size]
 
     def bucket_keys(self) -> list[tuple[int, int]]:
-        return [(b, n) for b in self.batch_buckets for n in self.length_buckets]
+        """(batch, length) buckets; for context encoding, batches of several prompts only within
+        neuron_config.max_context_batch_tokens."""
+        budget = self.neuron_config.max_context_batch_tokens if self.is_context else None
+        return [(b, n) for b in self.batch_buckets for n in self.length_buckets
+                if budget is None or b == self.batch_buckets[0] or b * n <= budget]
+
+    def max_batch(self, length_bucket: int) -> int:
+        """The largest batch bucket with a bucket of this length."""
+        return max(b for b, n in self.bucket_keys() if n == length_bucket)
 
     def kv_len(self, length: int) -> int | None:
         """Static cache length a token-generation bucket attends over (None for context)."""
@@ -75,7 +83,13 @@ class ModelWrapper:
     def select_bucket(self, batch: int, needed_length: int) -> tuple[int, int]:
         what = "prompt length" if self.is_context else "sequence length"
         length = bucketing.select_bucket(needed_length, self.length_buckets, what)
-        return bucketing.select_bucket(batch, self.batch_buckets, "batch size"), length
+        batches = [b for b in self.batch_buckets if b <= self.max_batch(length)]
+        if batches[-1] < batch <= self.batch_buckets[-1]:
+            budget = self.neuron_config.max_context_batch_tokens
+            raise ValueError(f"batch size {batch} of {length}-token prompts is over "
+                             f"max_context_batch_tokens ({budget}): at most {batches[-1]} "
+                             f"prompts of that length run together")
+        return bucketing.select_bucket(batch, batches, "batch size"), length
 
     def graph_fn(self, length: int, weights_as_inputs: bool = True):
         """The function run for a bucket: (*8 graph inputs, kv_cache, weights) -> outputs. With

@@ -3,7 +3,7 @@ length bucket and run on one dedicated worker thread, never on the event loop.
 
 - :class:`PrefillScheduler` holds the waiting prompts and picks the next batch (no threads, no
   torch): the oldest waiting prompt's bucket, then up to ``ctx_batch_size`` waiting prompts of
-  that bucket, oldest first.
+  that bucket (fewer for long buckets under a batch token budget), oldest first.
 - :class:`PrefillEngine` owns the model and its worker thread. Each batch runs CTE over rows
   ``0..B-1`` of the flat KV cache, samples the first tokens, copies every request's KV out of its
   cache row into the request's own tensors and so frees the rows before the next batch; the result
@@ -83,12 +83,17 @@ class LoadReport:
 class PrefillScheduler:
     """Bounded FIFO of waiting prompts, batched by CTE length bucket."""
 
-    def __init__(self, length_buckets: list[int], ctx_batch_size: int, max_queued: int):
+    def __init__(self, length_buckets: list[int], ctx_batch_size: int, max_queued: int,
+                 batch_limits: dict[int, int] | None = None):
+        """batch_limits: the most prompts a batch of each length bucket may hold (the model's
+        largest batch bucket of that length); ctx_batch_size where absent."""
         if ctx_batch_size < 1 or max_queued < 1:
             raise ValueError(f"ctx_batch_size ({ctx_batch_size}) and max_queued_requests "
                              f"({max_queued}) must be at least 1")
         self.length_buckets = list(length_buckets)
         self.ctx_batch_size, self.max_queued = ctx_batch_size, max_queued
+        self.batch_limits = {n: max(1, min(ctx_batch_size, (batch_limits or {}).get(
+            n, ctx_batch_size))) for n in self.length_buckets}
         self.waiting: list[PrefillTask] = []
 
     def add(self, task: PrefillTask) -> None:
@@ -108,12 +113,12 @@ class PrefillScheduler:
         return False
 
     def next_batch(self) -> list[PrefillTask]:
-        """Take the next batch off the queue: up to ctx_batch_size waiting prompts in the oldest
-        waiting prompt's bucket, oldest first ([] when nothing waits)."""
+        """Take the next batch off the queue: up to the bucket's batch limit of waiting prompts
+        in the oldest waiting prompt's bucket, oldest first ([] when nothing waits)."""
         if not self.waiting:
             return []
         bucket = self.waiting[0].bucket
-        batch = [t for t in self.waiting if t.bucket == bucket][:self.ctx_batch_size]
+        batch = [t for t in self.waiting if t.bucket == bucket][:self.batch_limits[bucket]]
         for task in batch:
             self.waiting.remove(task)
         return batch

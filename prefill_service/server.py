@@ -36,6 +36,9 @@ class PrefillSettings:
     ctx_batch_size: int = 4  # prompts per CTE batch
     max_queued_requests: int = 64  # admitted, waiting prompts; more are refused
     max_chunk_bytes: int = kv_transfer.DEFAULT_MAX_CHUNK_BYTES  # K+V payload per KV chunk
+    # Padded prompt tokens a CTE batch of several prompts may hold (one prompt always runs):
+    # longer prompts are encoded alone, and only these batch buckets are traced and warmed up.
+    max_batch_tokens: int = 2048
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -220,8 +223,10 @@ class PrefillApp:
                  metrics: ServingMetrics | None = None):
         self.settings = settings
         self.metrics = metrics or ServingMetrics("prefill")
-        scheduler = PrefillScheduler(model.context_encoding_model.length_buckets,
-                                     settings.ctx_batch_size, settings.max_queued_requests)
+        cte = model.context_encoding_model
+        scheduler = PrefillScheduler(cte.length_buckets, settings.ctx_batch_size,
+                                     settings.max_queued_requests,
+                                     {n: cte.max_batch(n) for n in cte.length_buckets})
         self.engine = PrefillEngine(model, scheduler, self._on_change)
         limits = ModelLimits(model.neuron_config.seq_len, model.config.vocab_size)
         self.servicer = PrefillServicer(self.engine, fingerprint, limits, self.metrics, settings)
@@ -264,6 +269,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     worker.add_model_args(p)
     p.add_argument("--max-batch-size", type=int, default=4, help="KV cache rows")
     p.add_argument("--ctx-batch-size", type=int, default=4, help="prompts per CTE batch")
+    p.add_argument("--max-batch-tokens", type=int, default=2048,
+                   help="padded prompt tokens a CTE batch of several prompts may hold; a longer "
+                        "prompt is encoded alone (fewer graphs to build and warm up, no gain "
+                        "lost: long prompts fill the CPU on their own)")
     p.add_argument("--max-queued-requests", type=int, default=64,
                    help="waiting prompts beyond this are refused (RESOURCE_EXHAUSTED)")
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES,
@@ -277,14 +286,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def settings_from_args(args: argparse.Namespace) -> PrefillSettings:
     return PrefillSettings(args.max_batch_size, args.ctx_batch_size, args.max_queued_requests,
-                           args.max_chunk_bytes)
+                           args.max_chunk_bytes, args.max_batch_tokens)
 
 
 def load_app(args: argparse.Namespace) -> PrefillApp:
     """Load the model the arguments name and build the worker around it."""
     settings = settings_from_args(args)
     opts = worker.model_options_from_args(args)
-    config = worker.prefill_neuron_config(opts, settings.max_batch_size, settings.ctx_batch_size)
+    config = worker.prefill_neuron_config(opts, settings.max_batch_size, settings.ctx_batch_size,
+                                          settings.max_batch_tokens)
     model = worker.load_model(opts, config)
     fingerprint = worker.model_fingerprint(model, opts)
     if args.model_name:

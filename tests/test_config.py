@@ -49,6 +49,7 @@ LIBRARY_DEFAULTS = {
     "is_prefix_caching": False, "prefix_buckets": None, "token_generation_batch_buckets": None,
     "trace_tokengen_model": True, "is_eagle_draft": False, "backend": "auto",
     "cpu_weight_layout": "auto", "cpu_attention_kernel": "auto", "cpu_fused_ops": "auto",
+    "max_context_batch_tokens": None,
 }
 
 
@@ -186,6 +187,7 @@ INVALID = [
     (dict(logical_nc_config=0), "logical_nc_config"),
     (dict(cc_pipeline_tiling_factor=0), "cc_pipeline_tiling_factor"),
     (dict(scratchpad_page_size=0), "scratchpad_page_size"),
+    (dict(max_context_batch_tokens=0), "max_context_batch_tokens"),
     (dict(is_prefix_caching=True), "is_block_kv_layout"),
     (dict(is_block_kv_layout=True), "pa_num_blocks"),
     (dict(is_block_kv_layout=True, pa_num_blocks=8), "pa_block_size"),

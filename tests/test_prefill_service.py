@@ -32,7 +32,8 @@ GREEDY = pb.SamplingParams(temperature=0)
 
 def load(ckpt, max_model_len: int, settings: PrefillSettings):
     opts = worker.ModelOptions(str(ckpt), "float32", max_model_len, "eager", None, 1)
-    config = worker.prefill_neuron_config(opts, settings.max_batch_size, settings.ctx_batch_size)
+    config = worker.prefill_neuron_config(opts, settings.max_batch_size, settings.ctx_batch_size,
+                                          settings.max_batch_tokens)
     model = worker.load_model(opts, config)
     return model, worker.model_fingerprint(model, opts)
 
@@ -204,6 +205,36 @@ def test_scheduler_batches_the_oldest_bucket_fifo():
         batches.append([t.job.request_id for t in batch])
     assert batches == [["r3", "r1"], ["r200", "r150"]]
     assert [tasks[n].bucket for n in (3, 200, 1)] == [128, 256, 128]
+
+
+def test_scheduler_keeps_long_buckets_to_their_batch_limit():
+    sched = PrefillScheduler([128, 256, 512], ctx_batch_size=4, max_queued=9,
+                             batch_limits={128: 4, 256: 2, 512: 1})
+    for i, n in enumerate((300, 400, 200, 250, 210, 100, 90, 80, 70)):
+        sched.add(PrefillTask(PrefillJob(f"r{i}", (1,) * n), (0, 2), None, None))
+    batches = []
+    while batch := sched.next_batch():
+        batches.append([t.job.request_id for t in batch])
+    assert batches == [["r0"], ["r1"], ["r2", "r3"], ["r4"], ["r5", "r6", "r7", "r8"]]
+
+
+def test_context_buckets_under_a_batch_token_budget(tiny_llama_ckpt):
+    """Batches of several prompts only within max_context_batch_tokens: the buckets built, the
+    limit the worker schedules by, and a clear error for a batch past it."""
+    opts = worker.ModelOptions(str(tiny_llama_ckpt), "float32", 256, "eager", None, 1,
+                               context_buckets=(64, 128, 256))
+    model = worker.load_model(opts, worker.prefill_neuron_config(opts, 4, 4, 256))
+    cte = model.context_encoding_model
+    assert cte.bucket_keys() == [(1, 64), (1, 128), (1, 256), (2, 64), (2, 128), (4, 64)]
+    assert [cte.max_batch(n) for n in (64, 128, 256)] == [4, 2, 1]
+    assert cte.select_bucket(3, 50) == (4, 64) and cte.select_bucket(2, 100) == (2, 128)
+    with pytest.raises(ValueError, match="batch size 2 of 256-token prompts is over "
+                                         "max_context_batch_tokens \(256\)"):
+        cte.select_bucket(2, 200)
+    unlimited = worker.load_model(opts, worker.prefill_neuron_config(opts, 4, 4))
+    assert len(unlimited.context_encoding_model.bucket_keys()) == 9
+    with pytest.raises(ValueError, match="max_batch_tokens must be at least 1"):
+        PrefillSettings(max_batch_tokens=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -117,10 +117,12 @@ def model_options_from_args(args) -> ModelOptions:
 
 
 
-def prefill_neuron_config(opts: ModelOptions, max_batch_size: int, ctx_batch_size: int):
-    """Flat KV cache, one row per prompt being encoded; CTE batches of up to ctx_batch_size."""
+def prefill_neuron_config(opts: ModelOptions, max_batch_size: int, ctx_batch_size: int,
+                          max_batch_tokens: int | None = None):
+    """Flat KV cache, one row per prompt being encoded; CTE batches of up to ctx_batch_size
+    prompts, of several prompts only within max_batch_tokens padded tokens."""
     return _neuron_config(opts, max_batch_size=max_batch_size, ctx_batch_size=ctx_batch_size,
-                          tkg_batch_size=1)
+                          tkg_batch_size=1, max_context_batch_tokens=max_batch_tokens)
 
 
 def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: int,
