@@ -3,8 +3,8 @@ layers + the LM head = 121 products) by number of rows: bf16 with plain weights 
 F.linear above, as modules.linear does without a packed layout), bf16 with oneDNN-packed weights
 (the default where the CPU has bf16 dot products, modules.linear.pack_weight), bf16 in panels
 (our kernel, the default on CPUs without them, modules.linear.pack_panels), float32 with plain
-weights (torch's MKL sgemm: what the panels are measured against) and int8 weights through torch's
-weight-only kernel (modules.quantization). Past 64 rows (a prefill) the LM head is left out: a
+weights (torch's MKL sgemm: what the panels are measured against), and int8 weights through torch's
+weight-only kernel and in panels (modules.quantization: the latter where bf16 goes to panels). Past 64 rows (a prefill) the LM head is left out: a
 prefill computes it for one row.
 
     python bench/bench_projections.py [--threads 1] [--rows 1 4 8 16 32 512]
@@ -51,10 +51,11 @@ def main(argv=None) -> int:
     scales = [torch.rand(s[0], dtype=torch.bfloat16) for s in SHAPES]
     onednn = onednn_unavailable_reason(torch.bfloat16) is None
     packed = [pack_weight(w) for w in bf16] if onednn else None
-    panels = ([pack_panels(w) for w in bf16] if kernels.kernels_unavailable_reason() is None
-              else None)
+    ours = kernels.kernels_unavailable_reason() is None
+    panels = [pack_panels(w) for w in bf16] if ours else None
+    int8_panels = [pack_panels(w) for w in int8] if ours else None
     print("| rows | bf16 plain (ms) | bf16 oneDNN-packed (ms) | bf16 panels (ms) | fp32 plain (ms) "
-          "| int8 (ms) |\n|---|---|---|---|---|---|")
+          "| int8 (ms) | int8 panels (ms) |\n|---|---|---|---|---|---|---|")
     for m in args.rows:
         n = len(SHAPES) if m <= 64 else len(SHAPES) - 1
         xs = [torch.randn(m, s[1], dtype=torch.bfloat16) for s in SHAPES[:n]]
@@ -68,6 +69,11 @@ def main(argv=None) -> int:
         cells.append(median_ms(lambda w, x: F.linear(x, w),
                                [(w, x.float()) for w, x in zip(fp32, xs)]))
         cells.append(median_ms(torch.ops.aten._weight_int8pack_mm, list(zip(xs, int8, scales))))
+        cells.append(median_ms(lambda w, x, o, sc: torch.ops.nxdi.panel_linear(x, w, o, None, None,
+                                                                              sc),
+                               [(w, x, s[0], sc) for w, x, s, sc in
+                                zip(int8_panels, xs, SHAPES, scales)])
+                     if int8_panels else None)
         print(f"| {m} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |",
               flush=True)
     return 0

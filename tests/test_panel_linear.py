@@ -1,9 +1,9 @@
 """The panel layout for linear weights (modules/linear.py, kernels/panel_linear.cpp): the kernel's
 product is the exact product rounded once to the dtype, to float32 summation error, for every
-tile shape (1-6 rows, a widened panel from 24 rows), partial panels, bias and residual; Linear
-uses it when its weight is in panels, traced graphs take panels as inputs, a model built with it
-gives the plain layout's tokens, "auto" picks it only on CPUs without bfloat16 dot products, and
-bad arguments are refused with the argument named."""
+tile shape (1-6 rows, a widened panel from 7 rows), partial panels, bias and residual, int8
+panels with their scale; Linear uses it when its weight is in panels, traced graphs take panels
+as inputs, a model built with it gives the plain layout's tokens, "auto" picks it only on CPUs
+without bfloat16 dot products, and bad arguments are refused with the argument named."""
 import io
 import json
 
@@ -17,6 +17,7 @@ from nxdi_common.config import NeuronConfig
 from nxdi_common.models.llama import NeuronLlamaForCausalLM
 from nxdi_common.models.llama.modeling_llama import LlamaInferenceConfig
 from nxdi_common.modules.linear import PANELS, PLAIN, Linear, pack_linear_weights, pack_panels
+from nxdi_common.modules.quantization import dequantize, quantize_tensor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,6 +61,26 @@ def test_product_is_the_rounded_exact_product(ops, rows, wdtype):
     assert_rounded_product(ops.panel_linear(x, pack_panels(w), out_features), x, w)
 
 
+@pytest.mark.parametrize("rows", [1, 6, 7, 30])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_int8_panels_times_their_scale_are_the_rounded_exact_product(ops, rows, per_channel):
+    """int8 weights (modules/quantization.py) with a scale per output or one for all: the
+    product of the dequantized weight, rounded once; bias and residual added before that."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(40, 77, generator=g)
+    q, scale = quantize_tensor(w, "per_channel_symmetric" if per_channel else
+                               "per_tensor_symmetric")
+    assert q.dtype == torch.int8 and scale.shape == ((40,) if per_channel else (1,))
+    dense = dequantize(q, scale)
+    x = torch.randn(rows, 77, generator=g).bfloat16()
+    bias, residual = torch.randn(40, generator=g).bfloat16(), torch.randn(rows, 40).bfloat16()
+    p = pack_panels(q)
+    assert p.dtype == torch.int8 and p.shape == (3, 77, 16)
+    assert_rounded_product(ops.panel_linear(x, p, 40, None, None, scale), x, dense)
+    assert_rounded_product(ops.panel_linear(x, p, 40, bias, residual, scale.bfloat16()), x,
+                           dequantize(q, scale.bfloat16()), bias, residual)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 64), (3, 64), (2, 9, 64)])
 def test_bias_and_residual_are_added_before_the_one_rounding(ops, shape):
     g = torch.Generator().manual_seed(len(shape))
@@ -91,7 +112,14 @@ def test_bad_arguments_are_refused(ops):
             (lambda: ops.panel_linear(x, p, 40, torch.randn(39).bfloat16()), "bias must be \\[40\\]"),
             (lambda: ops.panel_linear(x, p, 40, None, torch.randn(2, 41).bfloat16()),
              "residual must be"),
-            (lambda: ops.panel_linear(x.double(), p, 40), "x dtype Double is not supported")):
+            (lambda: ops.panel_linear(x.double(), p, 40), "x dtype Double is not supported"),
+            (lambda: ops.panel_linear(x, p.int(), 40, None, None, torch.ones(1)),
+             "weight dtype Int is not supported \\(float32, bfloat16, float16, int8\\)"),
+            (lambda: ops.panel_linear(x, p.to(torch.int8), 40), "int8 panels need a scale"),
+            (lambda: ops.panel_linear(x, p, 40, None, None, torch.ones(39)),
+             "scale must be a floating \\[1\\] or \\[40\\]"),
+            (lambda: ops.panel_linear(x, p, 40, None, None, torch.ones(40, dtype=torch.int32)),
+             "scale must be a floating")):
         with pytest.raises(RuntimeError, match=match):
             call()
 

@@ -133,6 +133,9 @@ def _dequantized_reference(hf_model, quant_sd: dict):
     # packed dequantized copies: prefill (16 rows) runs them, decode (1 row) the int8 kernel
     ("per_channel_symmetric", "folder", "eager", False, "onednn"),
     ("per_tensor_symmetric", "folder", "compiled", True, "onednn"),
+    # int8 panels: our kernel at every row count, prefill and decode
+    ("per_channel_symmetric", "folder", "eager", False, "panels"),
+    ("per_tensor_symmetric", "folder", "compiled", True, "panels"),
 ])
 def test_quantized_logits_equal_the_dequantized_reference(tiny, tmp_path, qtype, where, backend,
                                                           fused, layout):
@@ -159,6 +162,11 @@ def test_quantized_logits_equal_the_dequantized_reference(tiny, tmp_path, qtype,
     assert any(w.dtype == torch.int8 for w in model.weights)
     assert (model._model.lm_head.packed is not None) == (layout == "onednn")
     assert model.weight_layout == layout
+    head = model._model.lm_head.weight
+    assert (head.dim() == 3 and head.dtype == torch.int8) == (layout == "panels")
+    if layout == "panels" and backend == "compiled":  # 2 layers x (qkv, o, gate_up, down) + head
+        graph = str(next(iter(model.token_generation_model.runnables.values())).inlined_graph)
+        assert graph.count("nxdi::panel_linear") == 9 and "_weight_int8pack_mm" not in graph
 
     seq = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
     out = model(seq)

@@ -12,6 +12,10 @@
 // float32; the result is rounded once to the dtype after bias and residual are added, as torch's
 // addmm does.
 //
+// int8 weights (modules/quantization.py) use the same panels, 16 bytes a row, and a float32 scale
+// per output that multiplies the sums before bias and residual: w = int8 * scale, so the product
+// reads half the bytes of bfloat16, which is what a one-row (decode) product is bound by.
+//
 // Registered as torch.ops.nxdi.panel_linear in the same library as our other kernels.
 #include "panel_tile.h"
 #include "simd.h"
@@ -40,10 +44,11 @@ constexpr int64_t kWidenRows = kMR + 1;  // from this many rows a panel is widen
 
 struct Problem {
   int64_t M, K, N, P;  // rows, inputs, outputs, panels
+  const float* scale;  // [N] per-output multipliers of the sums, or null
 };
 
-// out[m, n] = dtype(c + bias[n] + residual[m, n]) for the tile's rows and its panel's valid
-// columns; bias and residual may be null.
+// out[m, n] = dtype(c * scale[n] + bias[n] + residual[m, n]) for the tile's rows and its panel's
+// valid columns; scale, bias and residual may be null.
 template <typename T>
 void store_tile(const float* c, int rows, int64_t m0, int64_t n0, const Problem& pb,
                 const T* bias, const T* residual, T* out) {
@@ -52,6 +57,7 @@ void store_tile(const float* c, int rows, int64_t m0, int64_t n0, const Problem&
     const int64_t row = (m0 + r) * pb.N + n0;
     for (int64_t j = 0; j < cols; ++j) {
       float v = c[r * kNR + j];
+      if (pb.scale != nullptr) v *= pb.scale[n0 + j];
       if (bias != nullptr) v += to_float(bias[n0 + j]);
       if (residual != nullptr) v += to_float(residual[row + j]);
       out[row + j] = from_float<T>(v);
@@ -103,21 +109,23 @@ void run(const Problem& pb, const float* x, const W* panels, const T* bias, cons
 }
 
 template <typename F>
-void dispatch_16_or_32(at::ScalarType type, const char* what, F&& f) {
+void dispatch_16_or_32(at::ScalarType type, const char* what, const char* allowed, F&& f) {
   switch (type) {
     case at::kFloat: return f(float{});
     case at::kBFloat16: return f(c10::BFloat16{});
     case at::kHalf: return f(c10::Half{});
     default: TORCH_CHECK(false, "panel_linear: ", what, " dtype ", type,
-                         " is not supported (float32, bfloat16, float16)");
+                         " is not supported (", allowed, ")");
   }
 }
 
-// x [..., K] -> [..., out_features] in x's dtype: x @ W^T (+ bias) (+ residual), W given as
-// panels [P, K, 16] (pack_panels) with P = ceil(out_features / 16).
+// x [..., K] -> [..., out_features] in x's dtype: x @ (W * scale)^T (+ bias) (+ residual), W
+// given as panels [P, K, 16] (pack_panels) with P = ceil(out_features / 16); scale ([1] or
+// [out_features], any floating dtype) is required for int8 panels, optional for the others.
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int64_t out_features,
                         const std::optional<at::Tensor>& bias_in,
-                        const std::optional<at::Tensor>& residual_in) {
+                        const std::optional<at::Tensor>& residual_in,
+                        const std::optional<at::Tensor>& scale_in) {
   TORCH_CHECK(panels_in.dim() == 3 && panels_in.size(2) == kNR,
               "panel_linear: panels must be [P, K, 16], got ", panels_in.sizes());
   const int64_t K = panels_in.size(1), P = panels_in.size(0);
@@ -128,7 +136,18 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = out_features;
   at::Tensor out = at::empty(out_shape, x_in.options());
-  const Problem pb{K ? x_in.numel() / K : 0, K, out_features, P};
+  at::Tensor scale;
+  if (scale_in.has_value()) {
+    const int64_t n = scale_in->dim() == 1 ? scale_in->size(0) : -1;
+    TORCH_CHECK((n == 1 || n == out_features) && scale_in->is_floating_point(),
+                "panel_linear: scale must be a floating [1] or [", out_features, "], got ",
+                scale_in->scalar_type(), " ", scale_in->sizes());
+    scale = scale_in->to(at::kFloat).expand({out_features}).contiguous();
+  }
+  TORCH_CHECK(panels_in.scalar_type() != at::kChar || scale.defined(),
+              "panel_linear: int8 panels need a scale");
+  const Problem pb{K ? x_in.numel() / K : 0, K, out_features, P,
+                   scale.defined() ? scale.const_data_ptr<float>() : nullptr};
   const at::Tensor xf = x_in.to(at::kFloat).contiguous(), panels = panels_in.contiguous();
   at::Tensor bias, residual;
   if (bias_in.has_value()) {
@@ -143,15 +162,20 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int
                 "panel_linear: residual must be ", out.sizes(), " in x's dtype");
   }
   if (pb.M == 0) return out;
-  dispatch_16_or_32(x_in.scalar_type(), "x", [&](auto t) {
+  dispatch_16_or_32(x_in.scalar_type(), "x", "float32, bfloat16, float16", [&](auto t) {
     using T = decltype(t);
-    dispatch_16_or_32(panels.scalar_type(), "weight", [&](auto w) {
+    auto multiply = [&](auto w) {
       using W = decltype(w);
       run<T, W>(pb, xf.const_data_ptr<float>(), panels.const_data_ptr<W>(),
                 bias.defined() ? bias.const_data_ptr<T>() : nullptr,
                 residual.defined() ? residual.const_data_ptr<T>() : nullptr,
                 out.mutable_data_ptr<T>());
-    });
+    };
+    if (panels.scalar_type() == at::kChar)
+      multiply(int8_t{});
+    else
+      dispatch_16_or_32(panels.scalar_type(), "weight", "float32, bfloat16, float16, int8",
+                        multiply);
   });
   return out;
 }
@@ -160,7 +184,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int
 
 TORCH_LIBRARY_FRAGMENT(nxdi, m) {
   m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None, "
-        "Tensor? residual=None) -> Tensor");
+        "Tensor? residual=None, Tensor? scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nxdi, CPU, m) { m.impl("panel_linear", &panel_linear); }

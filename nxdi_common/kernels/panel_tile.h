@@ -1,5 +1,5 @@
 // The register tile of our panel products: x (float32 rows) times a panel of 16 columns stored
-// k-major ([K, 16], float32 / bfloat16 / float16), up to 6 rows at a time, sums in float32.
+// k-major ([K, 16], float32 / bfloat16 / float16 / int8), up to 6 rows at a time, sums in float32.
 // kernels/panel_linear.cpp multiplies linear weights with it, and causal_attention.cpp its
 // scores and values on CPUs without AVX-512.
 #pragma once
@@ -12,6 +12,7 @@
 namespace nxdi_tile {
 
 using nxdi_simd::to_float;
+inline float to_float(int8_t x) { return x; }
 
 constexpr int64_t kNR = 16;  // columns per panel
 constexpr int kMR = 6;       // rows per register tile
@@ -27,6 +28,11 @@ inline void widen16(const c10::BFloat16* w, __m256& lo, __m256& hi) {
 inline void widen16(const c10::Half* w, __m256& lo, __m256& hi) {
   lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8)));
+}
+inline void widen16(const int8_t* w, __m256& lo, __m256& hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
 }
 inline void widen16(const float* w, __m256& lo, __m256& hi) {
   lo = _mm256_loadu_ps(w);

@@ -125,8 +125,9 @@ class Linear(nn.Linear):
 
 def pack_linear_weights(model: nn.Module, layout: str = ONEDNN) -> int:
     """Give every Linear of `model` a copy of its weight in `layout` (ONEDNN: oneDNN-packed;
-    PANELS: pack_panels) in place of the plain one (for ONEDNN, modules that own a `pack()`
-    method, such as QuantizedLinear, pack themselves); returns how many were packed. A weight
+    PANELS: pack_panels) in place of the plain one (modules that own a `pack(layout)` method,
+    such as QuantizedLinear, pack themselves and return the new parameters); returns how many
+    modules were packed. A weight
     shared with a module that is not a Linear (the embedding of a tied LM head) stays plain there:
     the Linear gets its own packed copy.
 
@@ -140,8 +141,10 @@ def pack_linear_weights(model: nn.Module, layout: str = ONEDNN) -> int:
             module.weight = nn.Parameter(pack(module.weight), requires_grad=False)
             done.add(id(module.weight))
             packed += 1
-        elif layout == ONEDNN and hasattr(module, "pack") and callable(module.pack):
-            packed += module.pack()
+        elif hasattr(module, "pack") and callable(module.pack):
+            new = module.pack(layout)
+            done.update(id(p) for p in new)
+            packed += bool(new)
     copies: dict[int, nn.Parameter] = {}  # one copy per distinct parameter: aliases stay aliases
     for module in model.modules():
         for name, param in list(module._parameters.items()):

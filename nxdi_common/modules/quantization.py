@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdi_common.modules.linear import Linear, onednn_ops, pack_weight
+from nxdi_common.modules.linear import (ONEDNN, PANELS, Linear, onednn_ops, pack_panels,
+                                        pack_weight)
 
 INT8_MAX = 127
 # Projections a Llama-family decoder quantizes; q/k/v and gate/up are fused in the model, so
@@ -138,8 +139,10 @@ INT8_KERNEL_MAX_ROWS = 32
 
 class QuantizedLinear(nn.Module):
     """A linear layer with an int8 weight [out, in] and one scale per output row (in the compute
-    dtype, as the kernel wants it). `pack()` adds `packed`, the dequantized weight in oneDNN's
-    layout, for products of many rows (it costs the memory of a bf16 copy)."""
+    dtype, as the kernel wants it). `pack(ONEDNN)` adds `packed`, the dequantized weight in
+    oneDNN's layout, for products of many rows (it costs the memory of a bf16 copy);
+    `pack(PANELS)` reorders the int8 weight itself into panels (modules/linear.py), which our
+    kernel multiplies at any row count, reading int8 (CPUs without bfloat16 dot products)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device=None):
         super().__init__()
@@ -152,19 +155,28 @@ class QuantizedLinear(nn.Module):
                                  requires_grad=False) if bias else None
         self.register_parameter("packed", None)
 
-    def pack(self) -> int:
-        """Add the oneDNN-packed dequantized weight (once); returns 1 when it was added."""
-        if self.packed is not None:
-            return 0
+    def pack(self, layout: str = ONEDNN) -> list[nn.Parameter]:
+        """Pack for `layout` (ONEDNN or PANELS) once; returns the parameters it added."""
+        if self.packed is not None or self._panels():
+            return []
+        if layout == PANELS:
+            self.weight = nn.Parameter(pack_panels(self.weight), requires_grad=False)
+            return [self.weight]
         dense = dequantize(self.weight, self.scale).to(self.scale.dtype)
         self.packed = nn.Parameter(pack_weight(dense), requires_grad=False)
-        return 1
+        return [self.packed]
+
+    def _panels(self) -> bool:
+        return self.weight.dim() == 3  # pack_panels' layout
 
     def _use_packed(self, x: torch.Tensor) -> bool:
         """Rows past the int8 kernel's range go to the packed copy (static per traced bucket)."""
         return self.packed is not None and x.numel() // self.in_features > INT8_KERNEL_MAX_ROWS_PACKED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._panels():
+            return torch.ops.nxdi.panel_linear(x, self.weight, self.out_features, self.bias, None,
+                                               self.scale)
         if self._use_packed(x):
             return onednn_ops()[0](x, self.packed, self.bias)
         if self.packed is None and x.numel() // self.in_features > INT8_KERNEL_MAX_ROWS:
@@ -176,6 +188,9 @@ class QuantizedLinear(nn.Module):
         return y.view(list(x.shape[:-1]) + [self.out_features]) if x.dim() != 2 else y
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and self._panels():
+            return torch.ops.nxdi.panel_linear(x, self.weight, self.out_features, None, residual,
+                                               self.scale)
         if self.bias is None and self._use_packed(x):
             return onednn_ops()[1](x, residual, self.packed)
         return residual + self(x)
