@@ -78,11 +78,18 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """A [out, in] weight as [ceil(out / 16), in, 16] panels: panels[p, k, j] = weight[16p + j, k],
-    zero past the last output."""
-    out_features, in_features = weight.shape
-    padded = -(-out_features // PANEL_WIDTH) * PANEL_WIDTH
-    w = F.pad(weight.detach(), (0, 0, 0, padded - out_features))
-    return w.view(padded // PANEL_WIDTH, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+    zero past the last output. Copied straight into the result: no padded or transposed
+    temporary, which for the LM head would be another 57 MB that the allocator (runtime.py keeps
+    large blocks) need not give back."""
+    w = weight.detach()
+    out_features, in_features = w.shape
+    full, rest = divmod(out_features, PANEL_WIDTH)
+    panels = w.new_empty(full + (rest > 0), in_features, PANEL_WIDTH)
+    panels[:full].transpose(1, 2).copy_(w[:full * PANEL_WIDTH].view(full, PANEL_WIDTH, in_features))
+    if rest:
+        panels[full].zero_()
+        panels[full, :, :rest].copy_(w[full * PANEL_WIDTH:].t())
+    return panels
 
 
 class Linear(nn.Linear):
