@@ -32,12 +32,12 @@ def test_context_buckets_reach_the_context_encoding_model(tmp_path):
     assert out.tokens.shape == (1,)
 
 
-def test_default_context_buckets_are_quartered_past_1024():
+def test_default_context_buckets_start_at_32_and_are_quartered_past_1024():
     opts = worker.ModelOptions(max_model_len=2048)
     nc = worker.decode_neuron_config(opts, 4, 64, 16)
-    assert nc.context_encoding_buckets == [128, 256, 512, 1024, 1280, 1536, 1792, 2048]
+    assert nc.context_encoding_buckets == [32, 64, 128, 256, 512, 1024, 1280, 1536, 1792, 2048]
     small = worker.prefill_neuron_config(worker.ModelOptions(max_model_len=96), 2, 1)
-    assert small.context_encoding_buckets == [96]
+    assert small.context_encoding_buckets == [32, 64, 96]
 
 
 def test_bad_context_buckets_name_the_option():
