@@ -134,9 +134,8 @@ def pack_linear_weights(model: nn.Module, layout: str = ONEDNN) -> int:
     """Give every Linear of `model` a copy of its weight in `layout` (ONEDNN: oneDNN-packed;
     PANELS: pack_panels) in place of the plain one (modules that own a `pack(layout)` method,
     such as QuantizedLinear, pack themselves and return the new parameters); returns how many
-    modules were packed. A weight
-    shared with a module that is not a Linear (the embedding of a tied LM head) stays plain there:
-    the Linear gets its own packed copy.
+    modules were packed. A weight shared with a module that is not a Linear (the embedding of a
+    tied LM head) stays plain there: the Linear gets its own packed copy.
 
     The plain parameters left (embedding, norms, biases, int8 weights) are then copied out of the
     checkpoint: they are views of one memory-mapped file, whose pages packing has read, so a

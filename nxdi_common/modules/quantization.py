@@ -156,8 +156,9 @@ class QuantizedLinear(nn.Module):
         self.register_parameter("packed", None)
 
     def pack(self, layout: str = ONEDNN) -> list[nn.Parameter]:
-        """Pack for `layout` (ONEDNN or PANELS) once; returns the parameters it added."""
-        if self.packed is not None or self._panels():
+        """Pack for `layout` (ONEDNN or PANELS; anything else leaves the module as it is) once;
+        returns the parameters it added."""
+        if self.packed is not None or self._panels() or layout not in (ONEDNN, PANELS):
             return []
         if layout == PANELS:
             self.weight = nn.Parameter(pack_panels(self.weight), requires_grad=False)
