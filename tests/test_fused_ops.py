@@ -192,12 +192,10 @@ def test_causal_attention_is_as_close_to_float32_as_sdpa(ops, dtype, shape):
 
 
 def kernel_expected(dtype) -> bool:
-    """Where causal_attention runs its own kernel for dtype: AVX2 without AVX-512 (the float32
-    path), or AVX-512 where oneDNN packs the dtype (sure for bfloat16 with avx512_bf16)."""
-    flags = kernels.cpu_flags()
-    if "avx512f" in flags:
-        return dtype == torch.bfloat16 and "avx512_bf16" in flags
-    return {"avx2", "fma"} <= flags
+    """Where causal_attention runs its own kernel for the 16-bit dtypes: every x86 CPU with AVX2
+    and FMA (oneDNN's brgemm where it packs the dtype, i.e. AMX; else our float32 tile path, as
+    on AVX2-only CPUs and on AVX-512 without AMX such as AMD Zen 4)."""
+    return dtype in HALF_DTYPES and {"avx2", "fma"} <= kernels.cpu_flags()
 
 
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 64), (torch.bfloat16, 32)])

@@ -12,14 +12,15 @@
 //     bfloat16 with one AVX512-BF16 instruction;
 //   - reads q, k, v where the QKV projection left them (any position and head strides) and writes
 //     the output as [batch, seq, heads, head_dim], which the output projection reads as is.
-// The products are oneDNN's brgemm through ATen (AMX on CPUs that have it); K^T and V are packed
-// once per (batch, KV head) into oneDNN's layout. The math is torch's: float32 scores, scaled,
-// e^(s - running max) summed in float32, probabilities rounded to the dtype for the P.V product,
-// float32 accumulation, one division and one rounding at the end; results agree with torch's
-// SDPA to the dtype's rounding (not bit for bit).
-// bfloat16 and float16 with head_dim a multiple of 64 and scale > 0; CPUs with AVX2 but not
-// AVX-512 run a float32 variant (below); anything else (other CPUs, or AVX-512 where oneDNN
-// cannot pack the dtype) runs torch's SDPA inside the op, so callers need no check.
+// The products are oneDNN's brgemm through ATen where oneDNN packs the dtype (AVX-512 with AMX); K^T
+// and V are packed once per (batch, KV head) into oneDNN's layout. The math is torch's: float32
+// scores, scaled, e^(s - running max) summed in float32, probabilities rounded to the dtype for
+// the P.V product, float32 accumulation, one division and one rounding at the end; results agree
+// with torch's SDPA to the dtype's rounding (not bit for bit).
+// Where oneDNN cannot pack the dtype but the CPU has AVX2 and FMA (AVX2-only CPUs, and AVX-512
+// without AMX such as AMD Zen 4) a float32 variant runs on our panel tile (tile_path, below).
+// bfloat16 and float16 with head_dim a multiple of 64 and scale > 0; anything else runs torch's
+// SDPA inside the op, so callers need no check.
 #include "panel_tile.h"
 #include "simd.h"
 
@@ -39,12 +40,18 @@
 
 namespace {
 
+// Which paths this build has: brgemm (AVX-512, used where oneDNN packs the dtype, i.e. AMX) and
+// the float32 panel-tile path (AVX2 + FMA, so on AVX-512 CPUs too: it runs where oneDNN cannot
+// pack, e.g. AMD Zen 4's AVX512-BF16 without AMX, and on AVX2-only CPUs).
 #if defined(__AVX512F__)
-constexpr bool kHaveKernel = true, kBrgemm = true;
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr bool kHaveKernel = true, kBrgemm = false;  // the float32 panel-tile path below
+constexpr bool kBrgemmBuilt = true;
 #else
-constexpr bool kHaveKernel = false, kBrgemm = false;
+constexpr bool kBrgemmBuilt = false;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kTileBuilt = true;
+#else
+constexpr bool kTileBuilt = false;
 #endif
 
 using namespace nxdi_simd;
@@ -63,6 +70,9 @@ struct Shape {
   int64_t batch, heads, kv_heads, seq, seq_pad, dim;
   int64_t group() const { return heads / kv_heads; }  // query heads per KV head
 };
+
+#if defined(__AVX512F__)
+namespace brgemm_path {
 
 // K^T of one (batch, KV head) as oneDNN-packed panels of kPanel keys ([dim x kPanel] each, keys
 // past the sequence zero), and V as packed [seq_pad x kPanel] panels of head-dim columns.
@@ -92,7 +102,6 @@ void pack_kv(const T* k, const T* v, int64_t k_pos_stride, int64_t v_pos_stride,
   }
 }
 
-#if defined(__AVX512F__)
 // One chunk's softmax step for one row of scores (n valid keys of width w, w a multiple of 16):
 // scale, running max, e^(s - max) into p (zero past n), running sum; returns the factor by which
 // the row's earlier output and sum shrink.
@@ -267,8 +276,13 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   });
 }
 
-#elif defined(__AVX2__) && defined(__FMA__)
-// Without AVX-512 (AVX2 and FMA, where oneDNN has no bfloat16 brgemm): the same query blocks, key
+}  // namespace brgemm_path
+#endif  // __AVX512F__
+
+#if defined(__AVX2__) && defined(__FMA__)
+namespace tile_path {
+
+// Where oneDNN cannot pack the dtype (AVX2 only; AVX-512 without AMX): the same query blocks, key
 // chunks and online softmax in float32, the products by our panel tile (panel_tile.h). K is
 // widened once per (batch, KV head) into panels of 16 keys (kp[p][d][j] = K[16p + j][d]) and V
 // into panels of 16 head-dim columns (vp[c][key][j] = V[key][16c + j]). Probabilities stay
@@ -443,7 +457,20 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   });
 }
 
-#endif  // __AVX512F__, __AVX2__
+}  // namespace tile_path
+#endif  // __AVX2__ && __FMA__
+
+// The brgemm path where it was chosen, else the tile path (the caller checked one is built).
+template <typename T>
+void run(bool brgemm, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
+         at::Tensor& out, const Shape& s) {
+#if defined(__AVX512F__)
+  if (brgemm) return brgemm_path::causal_attention_impl<T>(q, k, v, scale, out, s);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  tile_path::causal_attention_impl<T>(q, k, v, scale, out, s);
+#endif
+}
 
 // q [B, H, S, D], k and v [B, Hkv, S, D] (any strides with the last dimension contiguous):
 // causal attention of every position over positions 0..itself, query head h reading KV head
@@ -461,20 +488,18 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "causal_attention: q, k, v must share one dtype");
   const at::ScalarType dtype = q.scalar_type();
-  const bool kernel = kHaveKernel && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
-                      s.dim % kPanel == 0 && q.stride(3) == 1 && k.stride(3) == 1 &&
-                      v.stride(3) == 1 && scale > 0 && (!kBrgemm || blas::could_pack(dtype));
-  if (!kernel) {
+  const bool shape_ok = (dtype == at::kBFloat16 || dtype == at::kHalf) && s.dim % kPanel == 0 &&
+                        q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && scale > 0;
+  const bool brgemm = shape_ok && kBrgemmBuilt && blas::could_pack(dtype);
+  if (!brgemm && !(shape_ok && kTileBuilt)) {
     return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, scale, true)
         .transpose(1, 2).contiguous();
   }
   at::Tensor out = at::empty({s.batch, s.seq, s.heads, s.dim}, q.options());
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (dtype == at::kBFloat16)
-    causal_attention_impl<c10::BFloat16>(q, k, v, static_cast<float>(scale), out, s);
+    run<c10::BFloat16>(brgemm, q, k, v, static_cast<float>(scale), out, s);
   else
-    causal_attention_impl<c10::Half>(q, k, v, static_cast<float>(scale), out, s);
-#endif
+    run<c10::Half>(brgemm, q, k, v, static_cast<float>(scale), out, s);
   return out;
 }
 
