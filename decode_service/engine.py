@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from nxdi_common.block_manager import BlockManager
+from nxdi_common.modules.kv_cache import write_prompt_range
 from nxdi_common.serving.errors import Overloaded
 from decode_service.scheduler import DecodeScheduler, split_by_length
 from decode_service.sequence import Sequence
@@ -88,13 +89,12 @@ class DecodeEngine:
 
     def write_kv(self, seq: Sequence, write) -> None:
         """Store a validated chunk (kv_transfer.ChunkWrite) in the sequence's blocks."""
-        slots = torch.tensor(self.slots(seq, write.tokens.start, write.tokens.stop))
         cache = self.model.kv_cache  # [L, 2, NB + 1, BS, H, D]
         for which, data, scale in ((K, write.k, write.k_scale), (V, write.v, write.v_scale)):
-            flat = cache[write.layers, which].flatten(1, 2)  # [L', (NB + 1) * BS, H, D] view
             if scale != 1.0:
                 data = (data.float() * scale)
-            flat[:, slots, write.heads] = data.to(cache.dtype)
+            write_prompt_range(cache[write.layers, which], seq.block_table, write.tokens.start,
+                               data.to(cache.dtype), write.heads)
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.config.block_size, seq.block_table

@@ -18,6 +18,7 @@ With `kv_cache_quant` the cache holds float8_e4m3fn and is cast back to the comp
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 K, V = 0, 1
@@ -113,6 +114,48 @@ class BlockKVCacheManager:
         row's cached positions 0..position_ids[b, s] through block_table. Returns [B, H, S, D]."""
         return self.paged_attention(q, cache[layer, K], cache[layer, V], index[3], index[1],
                                     self.head_dim ** -0.5)
+
+
+def write_prompt_range(cache_kv: torch.Tensor, block_table: list[int], start: int,
+                       data: torch.Tensor, heads: slice = slice(None)) -> None:
+    """Copy ``data`` [layers', tokens, heads', D] (one sequence's positions ``start`` onwards,
+    in the cache's dtype) into ``cache_kv`` [layers', num_blocks + 1, block_size, kv_heads, D]
+    (K or V of those layers in the block layout) through the sequence's ``block_table``.
+
+    The whole blocks of the range are copied as opaque rows of bytes, one memmove each (see
+    _copy_block_rows); the partial blocks at its ends, and every block when only some heads
+    are written, by slice. A KV transfer's chunk is mostly whole blocks: for a 1024-token
+    prompt the per-token scatter this replaced (index_put over slots) took ~4x as long."""
+    block_size = cache_kv.shape[2]
+    end = start + data.shape[1]
+    all_heads = range(*heads.indices(cache_kv.shape[3])) == range(cache_kv.shape[3])
+    full_start = min(-(-start // block_size) * block_size, end)
+    full_end = max(end // block_size * block_size, full_start)
+    pieces = [(start, full_start), (full_end, end)]
+    if not (full_end > full_start and all_heads and _copy_block_rows(
+            cache_kv, block_table[full_start // block_size:full_end // block_size],
+            data[:, full_start - start:full_end - start])):
+        pieces[1:1] = [(p, p + block_size) for p in range(full_start, full_end, block_size)]
+    for lo, hi in pieces:
+        if hi > lo:
+            block, offset = block_table[lo // block_size], lo % block_size
+            cache_kv[:, block, offset:offset + hi - lo, heads] = data[:, lo - start:hi - start]
+
+
+def _copy_block_rows(cache_kv: torch.Tensor, blocks: list[int], data: torch.Tensor) -> bool:
+    """``cache_kv[:, blocks] = data`` (data [layers', len(blocks) * block_size, H, D]) with each
+    block a numpy void element: numpy's fancy assignment then copies a block with one memmove,
+    where torch's index_copy_ / index_put went element by element (~2.3x slower here). False
+    (nothing written) when a block of ``cache_kv`` is not one contiguous row."""
+    dst = cache_kv.view(torch.uint8).numpy()
+    layers, num_blocks = dst.shape[:2]
+    row = dst[0, 0].nbytes
+    rows = dst.reshape(layers, num_blocks, row).view(np.dtype((np.void, row)))[..., 0]
+    if rows.__array_interface__["data"][0] != cache_kv.data_ptr():
+        return False  # reshape had to copy: writing there would not reach the cache
+    src = data.reshape(layers, len(blocks), -1).view(torch.uint8).numpy()
+    rows[:, np.asarray(blocks, dtype=np.intp)] = src.view(np.dtype((np.void, row)))[..., 0]
+    return True
 
 
 def make_kv_cache_manager(neuron_config, num_layers: int, kv_heads: int, head_dim: int):
