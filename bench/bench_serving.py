@@ -26,7 +26,9 @@ from pathlib import Path
 import grpc
 import torch
 
+from decode_service import convert as decode_convert
 from nxdi_common import kv_transfer
+from nxdi_common.modules.kv_cache import write_prompt_range
 from nxdi_common.serving.launcher import Cluster, LaunchSpec
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
@@ -72,10 +74,10 @@ async def kv_transfer_rate(prefill_addr: str, fingerprint, n: int, repeats: int,
     options = [("grpc.max_receive_message_length", kv_transfer.max_message_bytes(chunk_bytes))]
     rates, sizes = [], []
     async with grpc.aio.insecure_channel(prefill_addr, options=options) as channel:
-        stub = pb_grpc.PrefillStub(channel)
+        prefill = decode_convert.prefill_call(channel)
         for r in range(repeats + 1):
             ids = prompt(n, 100 + r)
-            rate, size = await _one_transfer(stub, fingerprint, ids, chunk_bytes)
+            rate, size = await _one_transfer(prefill, fingerprint, ids, chunk_bytes)
             if r:  # the first is warm-up
                 rates.append(rate)
                 sizes.append(size)
@@ -83,11 +85,28 @@ async def kv_transfer_rate(prefill_addr: str, fingerprint, n: int, repeats: int,
             "bytes_per_second_median": statistics.median(rates)}
 
 
-async def _one_transfer(stub, fingerprint, ids, chunk_bytes) -> tuple[float, int]:
+BENCH_BLOCK_SIZE = 16
+
+
+def _receiver_cache(fp, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """A decode worker's block KV cache [L, 2, blocks + 1, 16, H, D] (zeroed, so its pages are
+    touched, as a worker's pool is after start-up) with twice the blocks one prompt needs, and a
+    shuffled block table for the prompt (a worker's blocks are rarely in order)."""
+    blocks = 2 * -(-num_tokens // BENCH_BLOCK_SIZE)
+    cache = torch.zeros(fp.num_layers, 2, blocks + 1, BENCH_BLOCK_SIZE, fp.num_kv_heads,
+                        fp.head_dim, dtype=kv_transfer.DTYPES[fp.kv_dtype])
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(num_tokens)).tolist()
+    return cache, table[:blocks // 2]
+
+
+async def _one_transfer(prefill, fingerprint, ids, chunk_bytes) -> tuple[float, int]:
+    """(bytes/s, payload bytes) of one Prefill stream read as the decode worker reads it
+    (``prefill``: decode_service.convert.prefill_call of a channel): each event parsed by the
+    worker's convert module, each chunk validated and written into a block cache through a
+    block table by the worker's own function."""
     fp = kv_transfer.fingerprint_from_proto(fingerprint)
     reservation = kv_transfer.Reservation.for_model(fp, "bench", len(ids))
-    shape = (fp.num_layers, len(ids), fp.num_kv_heads, fp.head_dim)
-    dest_k, dest_v = (torch.empty(shape, dtype=kv_transfer.DTYPES[fp.kv_dtype]) for _ in "kv")
+    cache, table = _receiver_cache(fp, len(ids))
     req = pb.PrefillRequest(request_id="bench", prompt_token_ids=ids, fingerprint=fingerprint,
                             sampling=pb.SamplingParams(temperature=0),
                             max_chunk_bytes=chunk_bytes)
@@ -95,15 +114,15 @@ async def _one_transfer(stub, fingerprint, ids, chunk_bytes) -> tuple[float, int
     # chunk, so the first chunk's own transfer is counted (starting at the first chunk's arrival
     # left it out, which flattered large chunks: one chunk looked nearly free).
     start, payload = None, 0
-    async for event in stub.Prefill(req):
-        if event.HasField("first_token"):
+    async for data in prefill(req):
+        kind, chunk = decode_convert.prefill_event(data)
+        if kind == "first_token":
             start = time.perf_counter()
-        if event.HasField("kv_chunk"):
-            w = kv_transfer.decode_chunk(kv_transfer.chunk_from_proto(event.kv_chunk),
-                                         reservation)
-            dest_k[w.layers, w.tokens, w.heads] = w.k
-            dest_v[w.layers, w.tokens, w.heads] = w.v
-            payload += len(event.kv_chunk.k) + len(event.kv_chunk.v)
+        if kind == "kv_chunk":
+            w = kv_transfer.decode_chunk(chunk, reservation)
+            for which, part in enumerate((w.k, w.v)):
+                write_prompt_range(cache[w.layers, which], table, w.tokens.start, part, w.heads)
+            payload += len(chunk.k) + len(chunk.v)
     return payload / (time.perf_counter() - start), payload
 
 

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import time
 
+from google.protobuf.message import DecodeError
+
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
 from nxdi_common import kv_transfer
 from nxdi_common.serving import types as t
 from nxdi_common.serving.convert import (logprobs_from_proto, sampling_from_proto,
                                          sampling_to_proto, stop_from_proto, token_to_proto)
-from nxdi_common.serving.errors import InvalidRequest
+from nxdi_common.serving.errors import FailedPrecondition, InvalidRequest
 
 add_servicer = pb_grpc.add_DecodeServicer_to_server
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Decode"].full_name
 DecodeServicerBase = pb_grpc.DecodeServicer
-PrefillStub = pb_grpc.PrefillStub
+PREFILL_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Prefill'].full_name}/Prefill"
 token_event = token_to_proto
 
 
@@ -37,9 +39,25 @@ def prefill_request(job: t.DecodeJob, fingerprint: kv_transfer.ModelFingerprint,
         max_chunk_bytes=max_chunk_bytes)
 
 
-def prefill_event(event: pb.PrefillEvent):
-    """("first_token", (token_id, logprob, top_logprobs)) | ("kv_chunk", KVChunkData) |
-    ("done", None)."""
+def prefill_call(channel):
+    """Prefill.Prefill on ``channel`` with its events left as bytes for prefill_event (so a
+    kv_chunk's payload is never copied out of the message)."""
+    return channel.unary_stream(PREFILL_METHOD,
+                                request_serializer=pb.PrefillRequest.SerializeToString,
+                                response_deserializer=None, _registered_method=True)
+
+
+def prefill_event(data: bytes):
+    """The serialized PrefillEvent ``data`` as ("first_token", (token_id, logprob,
+    top_logprobs)) | ("kv_chunk", KVChunkData, its K and V views of ``data``) | ("done", None)
+    | (None, None) when no event is set. FailedPrecondition when it is not a PrefillEvent."""
+    chunk = kv_transfer.chunk_from_event_bytes(data)
+    if chunk is not None:
+        return "kv_chunk", chunk
+    try:
+        event = pb.PrefillEvent.FromString(data)
+    except DecodeError as exc:
+        raise FailedPrecondition(f"prefill stream: malformed PrefillEvent ({exc})") from None
     kind = event.WhichOneof("event")
     if kind == "first_token":
         ft = event.first_token

@@ -28,15 +28,16 @@ class PrefillChannels:
     def __init__(self, max_message_bytes: int):
         self._options = [("grpc.max_receive_message_length", max_message_bytes),
                          ("grpc.max_send_message_length", max_message_bytes)]
-        self._stubs: dict[str, object] = {}
+        self._calls: dict[str, object] = {}
         self._channels: list = []
 
-    def stub(self, address: str):
-        if address not in self._stubs:
+    def prefill(self, address: str):
+        """The Prefill.Prefill callable for ``address`` (events arrive as bytes)."""
+        if address not in self._calls:
             channel = grpc.aio.insecure_channel(address, options=self._options)
             self._channels.append(channel)
-            self._stubs[address] = convert.PrefillStub(channel)
-        return self._stubs[address]
+            self._calls[address] = convert.prefill_call(channel)
+        return self._calls[address]
 
     async def close(self) -> None:
         for channel in self._channels:
@@ -74,7 +75,7 @@ class KVPuller:
                                                         seq.prompt_len, start)
         coverage = kv_transfer.KVCoverage(reservation)
         request = convert.prefill_request(seq.job, self.fingerprint, start, self.max_chunk_bytes)
-        call = self.channels.stub(address).Prefill(request, timeout=self.timeout)
+        call = self.channels.prefill(address)(request, timeout=self.timeout)
         self.open_transfers += 1
         began, payload = time.perf_counter(), 0
         try:

@@ -3,6 +3,8 @@ imports the generated ``serving_pb2`` modules or builds and reads their messages
 the shared ``nxdi_common.serving.convert`` and ``kv_transfer`` conversions)."""
 from __future__ import annotations
 
+import grpc
+
 from nxdi_common import kv_transfer
 from nxdi_common.kv_transfer import KVChunkData, ModelFingerprint
 from nxdi_common.serving.convert import logprobs_to_proto, sampling_from_proto
@@ -12,7 +14,27 @@ from prefill_service.scheduler import FirstTokenResult, LoadReport
 from protos.nxdi.serving.v1 import serving_pb2, serving_pb2_grpc
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
-add_servicer = serving_pb2_grpc.add_PrefillServicer_to_server
+
+
+def _event_to_wire(event: serving_pb2.PrefillEvent | bytes) -> bytes:
+    """Prefill's response serializer: kv_chunk events come already encoded (chunk_event)."""
+    return event if isinstance(event, bytes) else event.SerializeToString()
+
+
+def add_servicer(servicer: serving_pb2_grpc.PrefillServicer, server) -> None:
+    """What the generated ``add_PrefillServicer_to_server`` does, except that Prefill's events
+    may be pre-encoded bytes (kv_transfer.chunk_event_bytes: the KV payload copied once)."""
+    handlers = {
+        "Prefill": grpc.unary_stream_rpc_method_handler(
+            servicer.Prefill, request_deserializer=serving_pb2.PrefillRequest.FromString,
+            response_serializer=_event_to_wire),
+        "GetLoad": grpc.unary_unary_rpc_method_handler(
+            servicer.GetLoad, request_deserializer=serving_pb2.GetLoadRequest.FromString,
+            response_serializer=serving_pb2.WorkerLoad.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
+                                                                          handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def fingerprint_from_request(msg: serving_pb2.PrefillRequest) -> ModelFingerprint | None:
@@ -43,11 +65,9 @@ def first_token_event(first: FirstTokenResult) -> serving_pb2.PrefillEvent:
     return serving_pb2.PrefillEvent(first_token=msg)
 
 
-def chunk_event(chunk: KVChunkData) -> serving_pb2.PrefillEvent:
-    """One kv_chunk event."""
-    event = serving_pb2.PrefillEvent()
-    kv_transfer.chunk_to_proto(chunk, out=event.kv_chunk)  # payload copied once, in place
-    return event
+def chunk_event(chunk: KVChunkData) -> bytes:
+    """One kv_chunk event, serialized (its payload copied once; see add_servicer)."""
+    return kv_transfer.chunk_event_bytes(chunk)
 
 
 def done_event(num_chunks: int, payload_bytes: int, transfer_ns: int) -> serving_pb2.PrefillEvent:

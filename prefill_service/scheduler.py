@@ -154,9 +154,12 @@ def copy_kv(cache: torch.Tensor, row: int, tokens: tuple[int, int],
     [layers, tokens, heads, head_dim]; ``cache`` is the flat [layers, 2, rows+1, kv_heads,
     seq_len, head_dim] KV cache."""
     (t0, n), (h0, h1) = tokens, heads
-    k = cache[:, 0, row, h0:h1, t0:n].permute(0, 2, 1, 3).contiguous()
-    v = cache[:, 1, row, h0:h1, t0:n].permute(0, 2, 1, 3).contiguous()
-    return k, v
+    # clone, not contiguous(): with one layer and one KV head the permuted slice is already
+    # contiguous, and contiguous() would hand back a view of the cache, which the next batch
+    # overwrites while the chunks (views of these tensors, kv_transfer) are still being sent.
+    k, v = (cache[:, which, row, h0:h1, t0:n].permute(0, 2, 1, 3) for which in (0, 1))
+    return (k.clone(memory_format=torch.contiguous_format),
+            v.clone(memory_format=torch.contiguous_format))
 
 
 def run_batch(model, batch: list[PrefillTask]) -> list[PrefillOutput]:

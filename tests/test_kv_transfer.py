@@ -16,6 +16,8 @@ from nxdi_common.kv_transfer import (
     ModelFingerprint,
     Reservation,
     chunk_crc32c,
+    chunk_event_bytes,
+    chunk_from_event_bytes,
     chunk_from_proto,
     chunk_to_proto,
     decode_chunk,
@@ -175,7 +177,7 @@ CORRUPTIONS = {
     "flip a K payload byte": (lambda c: dataclasses.replace(c, k=_flip_first_byte(c.k)), "crc32c"),
     "flip a V payload byte": (lambda c: dataclasses.replace(c, v=_flip_first_byte(c.v)), "crc32c"),
     "short K": (lambda c: dataclasses.replace(c, k=c.k[:-2]), "k"),
-    "long V": (lambda c: dataclasses.replace(c, v=c.v + b"\0\0"), "v"),
+    "long V": (lambda c: dataclasses.replace(c, v=bytes(c.v) + b"\0\0"), "v"),
     "bad crc": (lambda c: dataclasses.replace(c, crc32c=c.crc32c ^ 1), "crc32c"),
     "other request": (lambda c: dataclasses.replace(c, request_id="req-2"), "request_id"),
     "empty token range": (lambda c: dataclasses.replace(c, token_end=c.token_start), "token_end"),
@@ -289,3 +291,87 @@ def test_incomplete_fingerprint_is_refused():
                                                             head_dim=1))
     with pytest.raises(ValueError, match="num_kv_heads"):
         dataclasses.replace(FP, num_kv_heads=0)
+
+
+# --------------------------------------------------------------------------- zero-copy framing
+
+
+def _event(chunk) -> serving_pb2.PrefillEvent:
+    event = serving_pb2.PrefillEvent()
+    chunk_to_proto(chunk, out=event.kv_chunk)
+    return event
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_chunk_event_bytes_is_the_protobuf_event(dtype):
+    k, v = _kv(dtype)
+    scales = dict(k_scale=0.25, v_scale=0.5) if dtype == "float8_e4m3fn" else {}
+    for chunk in encode_chunks("req-ü", k, v, token_start=7, max_chunk_bytes=256, **scales):
+        data = chunk_event_bytes(chunk)
+        assert serving_pb2.PrefillEvent.FromString(data) == _event(chunk)
+        assert chunk_from_event_bytes(data) == chunk
+
+
+def test_sent_chunks_are_views_of_the_kv_tensors():
+    k, v = _kv("bfloat16")
+    for chunk in encode_chunks("req-1", k, v, max_chunk_bytes=1 << 20):
+        assert np.shares_memory(np.frombuffer(chunk.k, dtype=np.uint8), k.view(torch.uint8).numpy())
+        assert np.shares_memory(np.frombuffer(chunk.v, dtype=np.uint8), v.view(torch.uint8).numpy())
+    strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # same values, not contiguous
+    (chunk,) = encode_chunks("req-1", strided, v, max_chunk_bytes=1 << 20)
+    assert bytes(chunk.k) == k.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_received_payload_is_a_view_of_the_message():
+    data = _event(_one_chunk()).SerializeToString()  # as protobuf itself writes it
+    chunk = chunk_from_event_bytes(data)
+    assert chunk == _one_chunk()
+    write = decode_chunk(chunk, _reservation())
+    raw = np.frombuffer(data, dtype=np.uint8)
+    assert np.shares_memory(write.k.view(torch.uint8).numpy(), raw)
+    assert np.shares_memory(write.v.view(torch.uint8).numpy(), raw)
+
+
+def test_event_parse_follows_protobuf_semantics():
+    chunk = _one_chunk()
+    body = chunk_to_proto(chunk).SerializeToString()
+    # Fields in another order, an unknown field (number 99, varint), k sent twice (last wins).
+    reordered = (chunk_to_proto(dataclasses.replace(chunk, k=b"", v=b"")).SerializeToString()
+                 + bytes([0x98, 0x06, 0x05])  # field 99, varint 5
+                 + serving_pb2.KVChunk(k=b"stale").SerializeToString()
+                 + serving_pb2.KVChunk(v=bytes(chunk.v)).SerializeToString()
+                 + serving_pb2.KVChunk(k=bytes(chunk.k)).SerializeToString())
+    for payload in (body, reordered):
+        data = bytes([0x12]) + _varint_bytes(len(payload)) + payload  # field 2 (kv_chunk)
+        assert chunk_from_event_bytes(data) == chunk
+        assert chunk_from_proto(serving_pb2.PrefillEvent.FromString(data).kv_chunk) == chunk
+
+
+def _varint_bytes(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+def test_other_events_are_left_to_protobuf():
+    first = serving_pb2.PrefillEvent(first_token=serving_pb2.FirstToken(token_id=5))
+    done = serving_pb2.PrefillEvent(done=serving_pb2.PrefillDone(num_chunks=3))
+    assert chunk_from_event_bytes(first.SerializeToString()) is None
+    assert chunk_from_event_bytes(done.SerializeToString()) is None
+    assert chunk_from_event_bytes(b"") is None
+    # A kv_chunk followed by done: protobuf's oneof keeps the last, so protobuf must decide.
+    both = chunk_event_bytes(_one_chunk()) + done.SerializeToString()
+    assert chunk_from_event_bytes(both) is None
+    assert serving_pb2.PrefillEvent.FromString(both).WhichOneof("event") == "done"
+
+
+@pytest.mark.parametrize("cut", [1, 2, 10, -1])
+def test_malformed_event_is_refused(cut):
+    data = chunk_event_bytes(_one_chunk())
+    with pytest.raises(KVChunkError, match="malformed protobuf") as err:
+        chunk_from_event_bytes(data[:cut] if cut > 0 else data[:-1])
+    assert err.value.field == "kv_chunk"
+    with pytest.raises(KVChunkError, match="wire type"):
+        chunk_from_event_bytes(bytes([0x13]))  # field 2, wire type 3 (a group)

@@ -17,7 +17,7 @@ from nxdi_common.serving import worker
 from nxdi_common.serving.errors import Overloaded
 from nxdi_common.serving.grpc_server import channel_options
 from nxdi_common.serving.types import PrefillJob
-from prefill_service.scheduler import PrefillScheduler, PrefillTask
+from prefill_service.scheduler import PrefillScheduler, PrefillTask, copy_kv
 from prefill_service.server import PrefillApp, PrefillSettings
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc
@@ -448,3 +448,17 @@ def test_cli_serves_reports_ready_and_stops_on_sigterm(spawn, tiny_llama_ckpt, h
     assert 'nxdi_requests_total{outcome="ok",role="prefill"} 1.0' in text
     service.proc.send_signal(signal.SIGTERM)
     assert service.proc.wait(timeout=20) == 0, service.output()
+
+
+@pytest.mark.parametrize("layers, kv_heads", [(1, 1), (2, 3)])
+def test_copy_kv_never_returns_a_view_of_the_cache(layers, kv_heads):
+    """The sent chunks are views of copy_kv's tensors (kv_transfer), so these must own their
+    memory: the next batch reuses the cache rows while they are still being sent. With one
+    layer and one KV head the permuted slice is already contiguous (contiguous() is a view)."""
+    cache = torch.randn(layers, 2, 3, kv_heads, 16, 4)  # [L, K/V, rows + 1, H, seq, D]
+    k, v = copy_kv(cache, 1, (2, 9), (0, kv_heads))
+    assert torch.equal(k, cache[:, 0, 1, :, 2:9].permute(0, 2, 1, 3))
+    assert torch.equal(v, cache[:, 1, 1, :, 2:9].permute(0, 2, 1, 3))
+    assert k.is_contiguous() and v.is_contiguous()
+    cache.zero_()
+    assert k.abs().sum() > 0 and v.abs().sum() > 0
