@@ -64,7 +64,7 @@ def _median_time(fn, repeats: int = 3) -> float:
 
 
 def build_ours(model_dir: str, dtype, batch: int, compiled_root: Path, int8: bool = False,
-               kv_layout: str = "flat"):
+               kv_layout: str = "flat", weight_layout: str = "auto"):
     """Compiled and loaded; with int8, weights quantized per channel (written once)."""
     from nxdi_common.config import NeuronConfig
     from nxdi_common.models.llama import NeuronLlamaForCausalLM
@@ -78,12 +78,13 @@ def build_ours(model_dir: str, dtype, batch: int, compiled_root: Path, int8: boo
     nc = NeuronConfig(batch_size=batch, seq_len=PROMPT_LEN + NEW_TOKENS, torch_dtype=dtype,
                       enable_bucketing=True, context_encoding_buckets=[PROMPT_LEN],
                       token_generation_buckets=[PROMPT_LEN + NEW_TOKENS], backend="cpu",
-                      fused_qkv=True, **quant, **layout)
+                      fused_qkv=True, cpu_weight_layout=weight_layout, **quant, **layout)
     model = NeuronLlamaForCausalLM(model_dir, neuron_config=nc)
     if int8 and not Path(quant["quantized_checkpoints_path"]).is_dir():
         NeuronLlamaForCausalLM.save_quantized_state_dict(model_dir, model.config)
     path = compiled_root / (f"b{batch}-{str(dtype).split('.')[-1]}{'-int8' if int8 else ''}"
-                            f"{'-block' if kv_layout == 'block' else ''}")
+                            f"{'-block' if kv_layout == 'block' else ''}"
+                            f"{'' if weight_layout == 'auto' else '-' + weight_layout}")
     model.compile(str(path))
     model.load(str(path))
     return model, path
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--kv-layout", choices=("flat", "block"), default="flat",
                    help="our KV cache: flat rows, or blocks with the paged attention kernel")
+    p.add_argument("--weight-layout", choices=("auto", "onednn", "panels", "plain"),
+                   default="auto", help="NeuronConfig.cpu_weight_layout of our model")
     p.add_argument("--int8", action="store_true",
                    help="also measure int8 weights (per-channel, torch's weight-only int8 kernel)")
     args = p.parse_args(argv)
@@ -178,16 +181,18 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     compiled_root = Path(args.out).parent / "compiled"
     res = {"dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
-           "kv_layout": args.kv_layout}
+           "kv_layout": args.kv_layout, "weight_layout": args.weight_layout}
     res["read_bandwidth_gbs"] = read_bandwidth_gbs()
     res["weight_bytes"] = weight_bytes(model_dir, dtype)
     res["bound_tok_s"] = res["read_bandwidth_gbs"] * 1e9 / res["weight_bytes"]
-    ours, path1 = speed_figures(model_dir, dtype, compiled_root, kv_layout=args.kv_layout)
+    ours, path1 = speed_figures(model_dir, dtype, compiled_root, kv_layout=args.kv_layout,
+                                weight_layout=args.weight_layout)
     ours.update(load_memory(model_dir, path1))
     res["nxdi"] = ours
     if args.int8:
         res["nxdi_int8"] = speed_figures(model_dir, dtype, compiled_root, int8=True,
-                                         kv_layout=args.kv_layout)[0]
+                                         kv_layout=args.kv_layout,
+                                         weight_layout=args.weight_layout)[0]
     if not args.skip_hf:
         res["transformers"] = hf_figures(model_dir, dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -197,13 +202,14 @@ def main(argv=None) -> int:
 
 
 def speed_figures(model_dir: str, dtype, compiled_root: Path, int8: bool = False,
-                  kv_layout: str = "flat"):
+                  kv_layout: str = "flat", weight_layout: str = "auto"):
     """(prefill and decode tokens/s, the batch-1 compiled folder) of our model."""
-    model, path1 = build_ours(model_dir, dtype, 1, compiled_root, int8, kv_layout)
+    model, path1 = build_ours(model_dir, dtype, 1, compiled_root, int8, kv_layout, weight_layout)
     out = {"prefill_tok_s": ours_prefill(model),
            "decode_b1_tok_s": max(ours_decode(model, 1) for _ in range(2))}
     del model
-    model, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root, int8, kv_layout)
+    model, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root, int8, kv_layout,
+                          weight_layout)
     out[f"decode_b{BIG_BATCH}_tok_s"] = ours_decode(model, BIG_BATCH)
     return out, path1
 
@@ -223,7 +229,8 @@ def markdown(res: dict) -> str:
         if int8:
             line += f" {int8[key]:.1f} | {int8[key] / h:.2f}x |" if h else f" {int8[key]:.1f} | - |"
         lines.append(line)
-    lines.append(f"\nour KV layout: {res.get('kv_layout', 'flat')}; "
+    lines.append(f"\nour KV layout: {res.get('kv_layout', 'flat')}; weight layout "
+                 f"{res.get('weight_layout', 'auto')}; "
                  f"read bandwidth {res['read_bandwidth_gbs']:.1f} GB/s; weights "
                  f"{res['weight_bytes'] / 1e6:.0f} MB; bound {res['bound_tok_s']:.1f} tok/s; "
                  f"batch-1 decode = {ours['decode_b1_tok_s'] / res['bound_tok_s']:.0%} of bound; "
