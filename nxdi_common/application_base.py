@@ -183,8 +183,8 @@ class NeuronApplicationBase(nn.Module):
     def resolve_weight_layout(self, backend_name: str) -> str:
         """The linear weights' layout for a backend, as neuron_config.cpu_weight_layout asks:
         ONEDNN or PANELS on the CPU backends, else PLAIN. "auto" packs bfloat16 weights: into
-        PANELS on CPUs without bfloat16 dot products (there torch's bfloat16 GEMM is slow and
-        oneDNN cannot pack bfloat16) where our kernels build; elsewhere for oneDNN where it runs."""
+        PANELS on x86 CPUs with AVX2 and without AMX (kernels.panels_suit_this_cpu) where our
+        kernels build; elsewhere for oneDNN where it runs."""
         nc = self.neuron_config
         requested = nc.cpu_weight_layout
         if requested == PANELS or (requested == "auto" and panels_suit_this_cpu()):

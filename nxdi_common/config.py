@@ -102,10 +102,9 @@ class NeuronConfig(ConfigBase):
     scratchpad_page_size: Optional[int] = None
     backend: str = "auto"  # extension: "auto" | "cpu" | "neuron", the target of compile()
     # extension: linear weights on the CPU backends: "onednn" (packed once at load into oneDNN's
-    # blocked layout), "panels" (16-column panels multiplied in float32 by our C++ kernel, for
-    # CPUs without bfloat16 dot products), "plain", or "auto" (for bfloat16: panels on an x86
-    # CPU with AVX2 and no avx512_bf16/amx_bf16 where the kernels build, else onednn where oneDNN
-    # runs, else plain)
+    # blocked layout), "panels" (16-column panels multiplied by our C++ kernel, for x86 CPUs
+    # without AMX), "plain", or "auto" (for bfloat16: panels on an x86 CPU with AVX2 and no
+    # amx_bf16 where the kernels build, else onednn where oneDNN runs, else plain)
     cpu_weight_layout: str = "auto"
     # extension: token-generation attention on the CPU backends with the block KV layout: "paged"
     # (our C++ kernel reads each row's own blocks in place, nxdi_common/kernels), "sdpa" (gather

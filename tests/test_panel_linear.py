@@ -2,8 +2,9 @@
 product is the exact product rounded once to the dtype, to float32 summation error, for every
 tile shape (1-6 rows, a widened panel from 7 rows), partial panels, bias and residual, int8
 panels with their scale; Linear uses it when its weight is in panels, traced graphs take panels
-as inputs, a model built with it gives the plain layout's tokens, "auto" picks it only on CPUs
-without bfloat16 dot products, and bad arguments are refused with the argument named."""
+as inputs, a model built with it gives the plain layout's tokens, "auto" picks it on x86 CPUs
+without AMX, bfloat16 products run on the CPU's bf16 dot products where it has them, and bad
+arguments are refused with the argument named."""
 import io
 import json
 
@@ -59,6 +60,23 @@ def test_product_is_the_rounded_exact_product(ops, rows, wdtype):
     xdtype = torch.float32 if wdtype == torch.float32 else wdtype
     x = torch.randn(rows, in_features, generator=g).to(xdtype)
     assert_rounded_product(ops.panel_linear(x, pack_panels(w), out_features), x, w)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 20])
+def test_bf16_products_run_on_bf16_dot_products_where_the_cpu_has_them(ops, rows):
+    """On AVX512-BF16 CPUs bfloat16 x times bfloat16 panels run on vdpbf16ps, which flushes
+    subnormal inputs to zero; the float32 path (and any other CPU) keeps them. Both paths are
+    the rounded exact product for normal values (test above). Rows cover the dot path's
+    panels interleaved on the fly (one tile, <= 8 rows) and interleaved once (more)."""
+    tiny = torch.full((rows, 33), 2.0 ** -130).bfloat16()  # subnormal in bf16 and float32
+    w = torch.ones(20, 33).bfloat16()  # two panels, the second partial; odd K
+    got = ops.panel_linear(tiny, pack_panels(w), 20).float()
+    if "avx512_bf16" in kernels.cpu_flags():
+        assert not got.any()
+    else:
+        assert bool((got > 0).all())
+    normal = torch.randn(rows, 33).bfloat16()
+    assert_rounded_product(ops.panel_linear(normal, pack_panels(w), 20), normal, w)
 
 
 @pytest.mark.parametrize("rows", [1, 6, 7, 30])
@@ -210,15 +228,18 @@ def test_compiled_model_with_panels_gives_the_plain_layouts_tokens(tiny_llama_ck
         other.load(tmp_path / PLAIN)
 
 
-def test_auto_picks_panels_only_without_bf16_dot_products(tiny_llama_ckpt, monkeypatch):
+def test_auto_picks_panels_on_x86_without_amx(tiny_llama_ckpt, monkeypatch):
     model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=config())
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert model.resolve_weight_layout("cpu") == PANELS
     assert model.resolve_weight_layout("neuron") == PLAIN
     fp32 = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=config(torch_dtype=torch.float32))
     assert fp32.resolve_weight_layout("cpu") == PLAIN
-    monkeypatch.setattr(kernels, "cpu_flags",
+    monkeypatch.setattr(kernels, "cpu_flags",  # AMD Zen 4: bf16 dot products, no AMX
                         lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    assert model.resolve_weight_layout("cpu") == PANELS
+    monkeypatch.setattr(kernels, "cpu_flags",  # Intel Sapphire Rapids: AMX
+                        lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}))
     assert model.resolve_weight_layout("cpu") != PANELS
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset())  # not x86, or unknown
     assert model.resolve_weight_layout("cpu") != PANELS

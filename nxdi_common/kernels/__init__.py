@@ -4,7 +4,7 @@ One library, built (once per source, torch version and CPU) from `paged_attentio
 (`torch.ops.nxdi.paged_decode_attention`), `fused_ops.cpp` (`torch.ops.nxdi.rms_norm`,
 `rope_qk`, `silu_mul`, `topk`), `causal_attention.cpp` (`torch.ops.nxdi.causal_attention`,
 context encoding's attention) and `panel_linear.cpp` (`torch.ops.nxdi.panel_linear`, linear layers
-on CPUs without bfloat16 dot products), which share `simd.h`. `paged_attention()` and `fused_ops()`
+on CPUs without AMX), which share `simd.h`. `paged_attention()` and `fused_ops()`
 build and load it. The build needs a C++ compiler and ninja (both on the target machines; the
 `ninja` wheel is a dependency); where it fails, `kernels_unavailable_reason()` says why and the
 models keep the torch paths. Build output lands under $NXDI_KERNEL_CACHE (default ~/.cache/nxdi_serving/kernels)."""
@@ -68,11 +68,13 @@ def cpu_flags() -> frozenset[str]:
 
 
 def panels_suit_this_cpu() -> bool:
-    """True on x86 CPUs with AVX2 and FMA but without bfloat16 dot products (avx512_bf16,
-    amx_bf16): there our panel kernel's float32 products beat torch's bfloat16 GEMM, which
-    converts element by element (modules/linear.py); with them, oneDNN's bfloat16 kernels win."""
+    """True on x86 CPUs with AVX2 and FMA but without AMX: there our panel kernel beats torch's
+    and oneDNN's bfloat16 products (modules/linear.py): without bfloat16 dot products torch's
+    GEMM converts element by element and oneDNN cannot pack bfloat16; with AVX512-BF16 (e.g.
+    AMD Zen 4) the kernel runs on those dot products and reads a one-row product's weights
+    faster than oneDNN. With AMX, oneDNN's AMX kernels win."""
     flags = cpu_flags()
-    return {"avx2", "fma"} <= flags and not flags & {"avx512_bf16", "amx_bf16"}
+    return {"avx2", "fma"} <= flags and "amx_bf16" not in flags
 
 
 def _build_name() -> str:

@@ -1,7 +1,8 @@
-// Linear layers for CPUs without bfloat16 dot products (AVX2, or AVX-512 without avx512_bf16):
-// there torch's bfloat16 GEMM converts element by element and runs 5-8x slower than its float32
-// one (a 512-row prefill projection 55 ms against 7 ms on an AMD EPYC with AVX2), and oneDNN
-// cannot pack bfloat16 weights at all. Here the weights stay in their 16-bit dtype, reordered once
+// Linear layers for x86 CPUs without AMX. Without bfloat16 dot products (AVX2, or AVX-512 without
+// avx512_bf16) torch's bfloat16 GEMM converts element by element and runs 5-8x slower than its
+// float32 one (a 512-row prefill projection 55 ms against 7 ms on an AMD EPYC with AVX2), and
+// oneDNN cannot pack bfloat16 weights at all; with AVX512-BF16 (AMD Zen 4) the bfloat16 path
+// below (run_dot) reads a one-row product's weights faster than oneDNN. Here the weights stay in their 16-bit dtype, reordered once
 // at load into panels of 16 output columns, k-major:
 //
 //     panels [P, K, 16]: panels[p, k, j] = W[16p + j, k]  (zero past the last output)
@@ -27,8 +28,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -41,6 +44,7 @@ using nxdi_tile::tile_rows;
 constexpr int64_t kPanelsPerTask = 4;  // a task: 64 output columns
 constexpr int64_t kRowBlockBytes = 256 * 1024;  // float32 input rows a task keeps near the core
 constexpr int64_t kWidenRows = kMR + 1;  // from this many rows a panel is widened once (run)
+constexpr int kDotMR = 8;  // rows per tile of the bf16 dot-product path (run_dot)
 
 struct Problem {
   int64_t M, K, N, P;  // rows, inputs, outputs, panels
@@ -88,25 +92,168 @@ void panel_rows(const Problem& pb, const float* x, const W* panel, int64_t p, in
 }
 
 // Tasks are (group of panels, block of rows), panel-major: a thread's tasks walk its panels once
-// and the input rows (float32, kept within kRowBlockBytes a block) again for each group.
-template <typename T, typename W>
-void run(const Problem& pb, const float* x, const W* panels, const T* bias, const T* residual,
-         T* out) {
-  const int64_t block_rows =
-      std::max<int64_t>(kMR, kRowBlockBytes / (4 * std::max<int64_t>(pb.K, 1)) / kMR * kMR);
+// and the input rows (kept within kRowBlockBytes a block; x_bytes per input value) again for each
+// group; a block's rows are a multiple of the tile's. panel(p, np, m0, m1, scratch) computes
+// rows [m0, m1) of the np (at most `step`) panels from p.
+template <typename F>
+void for_each_task(const Problem& pb, int64_t x_bytes, int64_t tile, int step, F&& panel) {
+  const int64_t block_rows = std::max<int64_t>(
+      tile, kRowBlockBytes / (x_bytes * std::max<int64_t>(pb.K, 1)) / tile * tile);
   const int64_t row_blocks = (pb.M + block_rows - 1) / block_rows;
   const int64_t groups = (pb.P + kPanelsPerTask - 1) / kPanelsPerTask;
   at::parallel_for(0, groups * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wide;
+    std::vector<float> scratch;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / row_blocks, rb = task % row_blocks;
       const int64_t m_end = std::min(pb.M, (rb + 1) * block_rows);
-      for (int64_t p = g * kPanelsPerTask; p < std::min(pb.P, (g + 1) * kPanelsPerTask); ++p)
-        panel_rows(pb, x, panels + p * pb.K * kNR, p, rb * block_rows, m_end, bias, residual,
-                   out, wide);
+      const int64_t p_end = std::min(pb.P, (g + 1) * kPanelsPerTask);
+      for (int64_t p = g * kPanelsPerTask; p < p_end; p += step)
+        panel(p, static_cast<int>(std::min<int64_t>(step, p_end - p)), rb * block_rows, m_end,
+              scratch);
     }
   });
 }
+
+template <typename T, typename W>
+void run(const Problem& pb, const float* x, const W* panels, const T* bias, const T* residual,
+         T* out) {
+  for_each_task(pb, sizeof(float), kMR, 1, [&](int64_t p, int, int64_t m0, int64_t m1,
+                                               auto& wide) {
+    panel_rows(pb, x, panels + p * pb.K * kNR, p, m0, m1, bias, residual, out, wide);
+  });
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 x times bfloat16 panels with the CPU's bf16 dot products (AVX512-BF16, e.g. AMD Zen 4,
+// which has no AMX): vdpbf16ps adds x[k] w[k] + x[k+1] w[k+1] to each float32 sum, so the panel's
+// rows k and k+1 are interleaved (one vpermw) and each row's (x[k], x[k+1]) pair is broadcast.
+// Products of two bf16 values are exact in float32 and each sum is rounded as a float32 FMA
+// would round it (inputs and results below float32's normal range are flushed to zero), so the
+// result is the same rounded product as the float32 path's. Twice the multiply-adds per
+// instruction of widening to float32, and no widening.
+inline __m512i interleave_rows(const c10::BFloat16* row, const c10::BFloat16* next) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                       8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  const __m256i b = next != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(next))
+                                    : _mm256_setzero_si256();
+  return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+}
+
+// The (x[k], x[k+1]) pair of a row in every 32-bit lane, straight from memory (k + 1 < K).
+inline __m512bh pair_at(const c10::BFloat16* x) {
+  int32_t bits;
+  std::memcpy(&bits, x, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+// The panel's rows 2i and 2i + 1 interleaved (32 values; with K odd the last pair's second row
+// is zero): read from `pairs` where dot_panel_rows interleaved them once, else made here.
+struct PanelPairs {
+  const c10::BFloat16* panel;  // [K, 16]
+  const __m512i* pairs;        // [ceil(K / 2)] interleaved, or null
+  int64_t K;
+  __m512bh operator()(int64_t i) const {
+    if (pairs != nullptr) return (__m512bh)_mm512_load_si512(pairs + i);
+    return (__m512bh)interleave_rows(panel + 2 * i * kNR,
+                                     2 * i + 1 < K ? panel + (2 * i + 1) * kNR : nullptr);
+  }
+};
+
+// For q < NP panels: c[q][r * 16 + j] = sum over k of x[r * ldx + k] * W_q[k][j], r < MR (the x
+// value that meets an odd K's zero row is zero too); c[q] starts at c + q * kDotMR * 16. Each
+// broadcast (x[k], x[k+1]) pair serves NP panels. With few sums in flight the k pairs alternate
+// between two sets of them, so the dot products' latency overlaps.
+template <int MR, int NP>
+void dot_tile(const c10::BFloat16* x, int64_t ldx, const PanelPairs* w_at, int64_t K, float* c) {
+  constexpr int kChains = MR * NP <= 3 ? 2 : 1;
+  __m512 acc[kChains][MR][NP];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < kChains; ++h)
+      for (int q = 0; q < NP; ++q) acc[h][r][q] = _mm512_setzero_ps();
+  const int64_t full = K / 2;  // pairs with both x values in the row
+  int64_t i = 0;
+  for (; i + kChains <= full; i += kChains) {
+#pragma GCC unroll 2
+    for (int h = 0; h < kChains; ++h) {
+      __m512bh w[NP];
+      for (int q = 0; q < NP; ++q) w[q] = w_at[q](i + h);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh xp = pair_at(x + r * ldx + 2 * (i + h));
+        for (int q = 0; q < NP; ++q) acc[h][r][q] = _mm512_dpbf16_ps(acc[h][r][q], xp, w[q]);
+      }
+    }
+  }
+  for (; i < (K + 1) / 2; ++i) {
+    __m512bh w[NP];
+    for (int q = 0; q < NP; ++q) w[q] = w_at[q](i);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const c10::BFloat16* xr = x + r * ldx + 2 * i;
+      const __m512bh xp = 2 * i + 1 < K ? pair_at(xr)
+                                        : (__m512bh)_mm512_set1_epi32(static_cast<int>(xr->x));
+      for (int q = 0; q < NP; ++q) acc[0][r][q] = _mm512_dpbf16_ps(acc[0][r][q], xp, w[q]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NP; ++q) {
+      __m512 sum = acc[0][r][q];
+      if (kChains == 2) sum = _mm512_add_ps(sum, acc[kChains - 1][r][q]);
+      _mm512_storeu_ps(c + q * kDotMR * kNR + r * kNR, sum);
+    }
+}
+
+template <int... MRs>
+void dot_tile_rows(int rows, int np, const c10::BFloat16* x, int64_t ldx, const PanelPairs* w_at,
+                   int64_t K, float* c, std::integer_sequence<int, MRs...>) {
+  ((rows == MRs + 1 ? (np == 2 ? dot_tile<MRs + 1, 2>(x, ldx, w_at, K, c)
+                               : dot_tile<MRs + 1, 1>(x, ldx, w_at, K, c))
+                    : void()), ...);
+}
+
+// np (1 or 2) panels from p times rows [m0, m1) of x. With more rows than one tile each panel's
+// row pairs are interleaved once into `scratch` (K * 16 values a panel) and read by every tile of
+// kDotMR rows; with one tile (decode) they are interleaved as the tile reads them, which saves a
+// pass over the panels.
+template <typename T>
+void dot_panel_rows(const Problem& pb, const c10::BFloat16* x, const c10::BFloat16* panels,
+                    int64_t p, int np, int64_t m0, int64_t m1, const T* bias, const T* residual,
+                    T* out, std::vector<float>& scratch) {
+  const int64_t npairs = (pb.K + 1) / 2;
+  PanelPairs w_at[2];
+  for (int q = 0; q < np; ++q) w_at[q] = {panels + (p + q) * pb.K * kNR, nullptr, pb.K};
+  if (m1 - m0 > kDotMR) {
+    scratch.resize(np * npairs * 16 + 16);  // 64-byte pairs, 16 floats each, room to align
+    auto* pairs = reinterpret_cast<__m512i*>(
+        (reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+    for (int q = 0; q < np; ++q) {
+      for (int64_t i = 0; i < npairs; ++i)
+        _mm512_store_si512(pairs + q * npairs + i, (__m512i)w_at[q](i));
+      w_at[q].pairs = pairs + q * npairs;
+    }
+  }
+  float c[2 * kDotMR * kNR];
+  for (int64_t m = m0; m < m1; m += kDotMR) {
+    const int rows = static_cast<int>(std::min<int64_t>(kDotMR, m1 - m));
+    dot_tile_rows(rows, np, x + m * pb.K, pb.K, w_at, pb.K, c,
+                  std::make_integer_sequence<int, kDotMR>{});
+    for (int q = 0; q < np; ++q)
+      store_tile(c + q * kDotMR * kNR, rows, m, (p + q) * kNR, pb, bias, residual, out);
+  }
+}
+
+template <typename T>
+void run_dot(const Problem& pb, const c10::BFloat16* x, const c10::BFloat16* panels,
+             const T* bias, const T* residual, T* out) {
+  for_each_task(pb, sizeof(c10::BFloat16), kDotMR, 2, [&](int64_t p, int np, int64_t m0,
+                                                          int64_t m1, auto& buf) {
+    dot_panel_rows(pb, x, panels, p, np, m0, m1, bias, residual, out, buf);
+  });
+}
+#endif  // __AVX512BF16__
 
 template <typename F>
 void dispatch_16_or_32(at::ScalarType type, const char* what, const char* allowed, F&& f) {
@@ -148,7 +295,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int
               "panel_linear: int8 panels need a scale");
   const Problem pb{K ? x_in.numel() / K : 0, K, out_features, P,
                    scale.defined() ? scale.const_data_ptr<float>() : nullptr};
-  const at::Tensor xf = x_in.to(at::kFloat).contiguous(), panels = panels_in.contiguous();
+  const at::Tensor panels = panels_in.contiguous();
   at::Tensor bias, residual;
   if (bias_in.has_value()) {
     bias = bias_in->contiguous();
@@ -162,6 +309,18 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int
                 "panel_linear: residual must be ", out.sizes(), " in x's dtype");
   }
   if (pb.M == 0) return out;
+#if defined(__AVX512BF16__)
+  if (x_in.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16) {
+    const at::Tensor xb = x_in.contiguous();
+    run_dot<c10::BFloat16>(pb, xb.const_data_ptr<c10::BFloat16>(),
+                           panels.const_data_ptr<c10::BFloat16>(),
+                           bias.defined() ? bias.const_data_ptr<c10::BFloat16>() : nullptr,
+                           residual.defined() ? residual.const_data_ptr<c10::BFloat16>() : nullptr,
+                           out.mutable_data_ptr<c10::BFloat16>());
+    return out;
+  }
+#endif
+  const at::Tensor xf = x_in.to(at::kFloat).contiguous();
   dispatch_16_or_32(x_in.scalar_type(), "x", "float32, bfloat16, float16", [&](auto t) {
     using T = decltype(t);
     auto multiply = [&](auto w) {
