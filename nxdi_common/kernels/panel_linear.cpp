@@ -127,10 +127,11 @@ void run(const Problem& pb, const float* x, const W* panels, const T* bias, cons
 // bfloat16 x times bfloat16 panels with the CPU's bf16 dot products (AVX512-BF16, e.g. AMD Zen 4,
 // which has no AMX): vdpbf16ps adds x[k] w[k] + x[k+1] w[k+1] to each float32 sum, so the panel's
 // rows k and k+1 are interleaved (one vpermw) and each row's (x[k], x[k+1]) pair is broadcast.
-// Products of two bf16 values are exact in float32 and each sum is rounded as a float32 FMA
-// would round it (inputs and results below float32's normal range are flushed to zero), so the
-// result is the same rounded product as the float32 path's. Twice the multiply-adds per
-// instruction of widening to float32, and no widening.
+// Products of two bf16 values are exact in float32 and the instruction's sums are float32 sums
+// (rounded to nearest even; inputs and results below float32's normal range flushed to zero), so
+// the result is the exact product to float32 summation error, rounded once to the dtype, as on
+// the float32 path (the k order of the sums differs, so not bit for bit). Twice the
+// multiply-adds per instruction of widening to float32, and no widening.
 inline __m512i interleave_rows(const c10::BFloat16* row, const c10::BFloat16* next) {
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
                                        8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
