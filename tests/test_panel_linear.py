@@ -62,12 +62,12 @@ def test_product_is_the_rounded_exact_product(ops, rows, wdtype):
     assert_rounded_product(ops.panel_linear(x, pack_panels(w), out_features), x, w)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 20])
+@pytest.mark.parametrize("rows", [1, 8, 9, 20, 33])
 def test_bf16_products_run_on_bf16_dot_products_where_the_cpu_has_them(ops, rows):
     """On AVX512-BF16 CPUs bfloat16 x times bfloat16 panels run on vdpbf16ps, which flushes
     subnormal inputs to zero; the float32 path (and any other CPU) keeps them. Both paths are
     the rounded exact product for normal values (test above). Rows cover the dot path's
-    panels interleaved on the fly (one tile, <= 8 rows) and interleaved once (more)."""
+    tiles (8 rows) and its panels interleaved on the fly (<= 32 rows) and once (more)."""
     tiny = torch.full((rows, 33), 2.0 ** -130).bfloat16()  # subnormal in bf16 and float32
     w = torch.ones(20, 33).bfloat16()  # two panels, the second partial; odd K
     got = ops.panel_linear(tiny, pack_panels(w), 20).float()
