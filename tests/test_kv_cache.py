@@ -13,7 +13,8 @@ LAYERS, BLOCKS, BS, HEADS, D = 3, 12, 4, 3, 2
 
 def _reference(cache_kv, table, start, data, heads):
     """Per-token scatter (what the decode worker did before): slot = block * BS + offset."""
-    slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(start, start + data.shape[1])])
+    positions = range(start, start + data.shape[1])
+    slots = torch.tensor([table[p // BS] * BS + p % BS for p in positions])
     flat = cache_kv.flatten(1, 2)
     flat[:, slots, heads] = data
 

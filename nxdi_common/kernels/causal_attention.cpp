@@ -12,8 +12,8 @@
 //     bfloat16 with one AVX512-BF16 instruction;
 //   - reads q, k, v where the QKV projection left them (any position and head strides) and writes
 //     the output as [batch, seq, heads, head_dim], which the output projection reads as is.
-// The products are oneDNN's brgemm through ATen where oneDNN packs the dtype (AVX-512 with AMX); K^T
-// and V are packed once per (batch, KV head) into oneDNN's layout. The math is torch's: float32
+// The products are oneDNN's brgemm through ATen where oneDNN packs the dtype (AVX-512 with AMX);
+// K^T and V are packed once per (batch, KV head) into oneDNN's layout. The math is torch's: float32
 // scores, scaled, e^(s - running max) summed in float32, probabilities rounded to the dtype for
 // the P.V product, float32 accumulation, one division and one rounding at the end; results agree
 // with torch's SDPA to the dtype's rounding (not bit for bit).

@@ -2,8 +2,8 @@
 // avx512_bf16) torch's bfloat16 GEMM converts element by element and runs 5-8x slower than its
 // float32 one (a 512-row prefill projection 55 ms against 7 ms on an AMD EPYC with AVX2), and
 // oneDNN cannot pack bfloat16 weights at all; with AVX512-BF16 (AMD Zen 4) the bfloat16 path
-// below (run_dot) reads a one-row product's weights faster than oneDNN. Here the weights stay in their 16-bit dtype, reordered once
-// at load into panels of 16 output columns, k-major:
+// below (run_dot) reads a one-row product's weights faster than oneDNN. Here the weights stay in
+// their 16-bit dtype, reordered once at load into panels of 16 output columns, k-major:
 //
 //     panels [P, K, 16]: panels[p, k, j] = W[16p + j, k]  (zero past the last output)
 //
@@ -221,10 +221,10 @@ void dot_tile_rows(int rows, int np, const c10::BFloat16* x, int64_t ldx, const 
 // memory overlaps the dot products (interleaving them first, in a pass of its own, made 16 rows
 // 1.5x slower); with more rows each panel is interleaved once into `scratch` (K * 16 values a
 // panel) and read by every tile of kDotMR rows.
-template <typename T>
-void dot_panel_rows(const Problem& pb, const c10::BFloat16* x, const c10::BFloat16* panels,
-                    int64_t p, int np, int64_t m0, int64_t m1, const T* bias, const T* residual,
-                    T* out, std::vector<float>& scratch) {
+using BF16 = c10::BFloat16;
+void dot_panel_rows(const Problem& pb, const BF16* x, const BF16* panels, int64_t p, int np,
+                    int64_t m0, int64_t m1, const BF16* bias, const BF16* residual, BF16* out,
+                    std::vector<float>& scratch) {
   const int64_t npairs = (pb.K + 1) / 2;
   PanelPairs w_at[2];
   for (int q = 0; q < np; ++q) w_at[q] = {panels + (p + q) * pb.K * kNR, nullptr, pb.K};
@@ -248,11 +248,10 @@ void dot_panel_rows(const Problem& pb, const c10::BFloat16* x, const c10::BFloat
   }
 }
 
-template <typename T>
-void run_dot(const Problem& pb, const c10::BFloat16* x, const c10::BFloat16* panels,
-             const T* bias, const T* residual, T* out) {
-  for_each_task(pb, sizeof(c10::BFloat16), kDotMR, 2, [&](int64_t p, int np, int64_t m0,
-                                                          int64_t m1, auto& buf) {
+void run_dot(const Problem& pb, const BF16* x, const BF16* panels, const BF16* bias,
+             const BF16* residual, BF16* out) {
+  for_each_task(pb, sizeof(BF16), kDotMR, 2, [&](int64_t p, int np, int64_t m0, int64_t m1,
+                                                 auto& buf) {
     dot_panel_rows(pb, x, panels, p, np, m0, m1, bias, residual, out, buf);
   });
 }
@@ -315,11 +314,10 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int
 #if defined(__AVX512BF16__)
   if (x_in.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16) {
     const at::Tensor xb = x_in.contiguous();
-    run_dot<c10::BFloat16>(pb, xb.const_data_ptr<c10::BFloat16>(),
-                           panels.const_data_ptr<c10::BFloat16>(),
-                           bias.defined() ? bias.const_data_ptr<c10::BFloat16>() : nullptr,
-                           residual.defined() ? residual.const_data_ptr<c10::BFloat16>() : nullptr,
-                           out.mutable_data_ptr<c10::BFloat16>());
+    run_dot(pb, xb.const_data_ptr<BF16>(), panels.const_data_ptr<BF16>(),
+            bias.defined() ? bias.const_data_ptr<BF16>() : nullptr,
+            residual.defined() ? residual.const_data_ptr<BF16>() : nullptr,
+            out.mutable_data_ptr<BF16>());
     return out;
   }
 #endif
