@@ -1,6 +1,9 @@
 """NeuronBaseForCausalLM: a causal LM made of a context-encoding (CTE) and a token-generation (TKG)
 sub-model sharing one KV cache. forward() routes sequences that start at position 0 to CTE and the
-rest to TKG (NxD Inference API reference, "NeuronBaseForCausalLM")."""
+rest to TKG (NxD Inference API reference, "NeuronBaseForCausalLM"). Extension: with
+NeuronConfig.prefill_chunk_size a third sub-model encodes a piece of a prompt that starts past
+position 0 (several tokens with explicit position_ids), attending to the positions before it in
+the cache: chunked prefill, so a long prompt can be encoded between token-generation steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from nxdi_common.application_base import NeuronApplicationBase
-from nxdi_common.model_wrapper import (CONTEXT_ENCODING_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG,
-                                       ModelWrapper)
+from nxdi_common.model_wrapper import (CHUNKED_PREFILL_MODEL_TAG, CONTEXT_ENCODING_MODEL_TAG,
+                                       TOKEN_GENERATION_MODEL_TAG, ModelWrapper)
 from nxdi_common.modules.sampling import SamplingRandomSource, sampling_params_from_config
 
 
@@ -33,6 +36,11 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.token_generation_model = ModelWrapper(self.config, self._model_cls,
                                                    TOKEN_GENERATION_MODEL_TAG, args)
         self.models = [self.context_encoding_model, self.token_generation_model]
+        self.chunked_prefill_model = None
+        if self.neuron_config.prefill_chunk_size is not None:
+            self.chunked_prefill_model = ModelWrapper(self.config, self._model_cls,
+                                                      CHUNKED_PREFILL_MODEL_TAG, args)
+            self.models.append(self.chunked_prefill_model)
         odsc = self.neuron_config.on_device_sampling_config
         self.random_source = SamplingRandomSource.from_config(odsc) if odsc else None
         self.kv_cache = None
@@ -79,8 +87,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
                 medusa_args=None, return_dict=None, input_capture_hook=None, slot_mapping=None,
                 block_table=None, rand=None) -> CausalLMOutput:
-        """Run CTE when the sequences start at position 0 (or the cache is empty), else TKG.
-        input_ids [B, S]; seq_ids [B] (cache rows, default 0..B-1); attention_mask [B, S] (left or
+        """Run CTE when the sequences start at position 0 (or the cache is empty), else TKG; a
+        sequence of several tokens with position_ids past 0 runs the chunked-prefill sub-model
+        (prefill_chunk_size). input_ids [B, S]; seq_ids [B] (cache rows, default 0..B-1); attention_mask [B, S] (left or
         right padding); sampling_params [B, 3] (top_k, top_p, temperature); slot_mapping [B, S]
         and block_table [B, blocks] for the block KV layout (default: contiguous blocks per row);
         rand [B] float32 uniforms in [0, 1) for the sampler (default: drawn by random_source)."""
@@ -96,6 +105,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         if self._is_context(input_ids, position_ids):
             return self._run_context(input_ids, attention_mask, seq_ids, sampling_params,
                                      slot_mapping, block_table, rand)
+        if input_ids.shape[1] > 1 and position_ids is not None:
+            return self._run_chunk(input_ids, position_ids, seq_ids, sampling_params,
+                                   slot_mapping, block_table, rand)
         return self._run_token_gen(input_ids, position_ids, seq_ids, sampling_params, slot_mapping,
                                    block_table, rand)
 
@@ -171,6 +183,36 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         inputs = (input_ids.long(), mask, position_ids, seq_ids, params, rand, slots, table)
         outputs = self.token_generation_model(inputs, self.kv_cache, self.weights, self.scratch)
         self.next_positions[seq_ids.long()] = position_ids[:, 0] + 1
+        return self._output(outputs)
+
+    def _run_chunk(self, input_ids, position_ids, seq_ids, sampling_params, slots, table,
+                   rand=None):
+        """One piece of one prompt: input_ids and position_ids [1, S], S <= prefill_chunk_size;
+        the positions before it must be in the cache (block_table). Samples from its last token."""
+        chunk = self.neuron_config.prefill_chunk_size
+        if self.chunked_prefill_model is None:
+            raise ValueError("input_ids of several tokens at positions past 0 are a chunk of a "
+                             "prompt: set NeuronConfig.prefill_chunk_size (block KV layout) to "
+                             "run them, or start the sequence at position 0")
+        b, s = input_ids.shape
+        if s > chunk or b != 1:
+            raise ValueError(f"a prompt chunk is input_ids [1, S] with S <= prefill_chunk_size "
+                             f"({chunk}), got {list(input_ids.shape)}")
+        if tuple(position_ids.shape) != (b, s):
+            raise ValueError(f"position_ids must be [1, {s}] like input_ids, got "
+                             f"{list(position_ids.shape)}")
+        position_ids = position_ids.long()
+        if int(position_ids.max()) >= self.neuron_config.seq_len:
+            raise ValueError(f"position {int(position_ids.max())} is past seq_len "
+                             f"{self.neuron_config.seq_len}")
+        self._check_token_ids(input_ids)
+        mask = torch.ones(b, s, dtype=torch.long)
+        slots, table = self._block_indices(seq_ids, position_ids, mask, slots, table)
+        params, rand = self._sampling_inputs(b, sampling_params, rand)
+        inputs = (input_ids.long(), mask, position_ids, seq_ids, params, rand, slots, table)
+        outputs = self.chunked_prefill_model(inputs, self.kv_cache, self.weights, self.scratch)
+        self.next_positions[seq_ids.long()] = position_ids[:, -1] + 1
+        self.kv_cache_populated = True
         return self._output(outputs)
 
     def _block_indices(self, seq_ids, positions, mask, slots, table):

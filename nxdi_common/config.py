@@ -132,6 +132,10 @@ class NeuronConfig(ConfigBase):
     context_encoding_buckets: Optional[List[int]] = None
     token_generation_buckets: Optional[List[int]] = None
     token_generation_batch_buckets: Optional[List[int]] = None  # extension: TKG batch sizes
+    # extension: chunked prefill (block KV layout): a third sub-model runs up to this many
+    # prompt tokens of one sequence from any position, attending to its cached positions, so a
+    # long prompt can be encoded in pieces between token-generation steps. None: no such model
+    prefill_chunk_size: Optional[int] = None
     prefix_buckets: Optional[List[int]] = None
     # Quantization
     quantized: bool = False
@@ -275,6 +279,14 @@ class NeuronConfig(ConfigBase):
         if self.is_block_kv_layout:
             check_int("pa_num_blocks (required by is_block_kv_layout)", self.pa_num_blocks)
             check_int("pa_block_size (required by is_block_kv_layout)", self.pa_block_size)
+        if self.prefill_chunk_size is not None:
+            if not self.is_block_kv_layout:
+                raise ValueError("prefill_chunk_size needs is_block_kv_layout=True (a chunk "
+                                 "reads the earlier chunks' keys through the block table)")
+            check_int("prefill_chunk_size", self.prefill_chunk_size)
+            if self.prefill_chunk_size > self.seq_len:
+                raise ValueError(f"prefill_chunk_size ({self.prefill_chunk_size}) must be at "
+                                 f"most seq_len ({self.seq_len})")
 
     def _validate_buckets(self) -> None:
         for name in ("context_encoding_buckets", "token_generation_buckets", "prefix_buckets"):

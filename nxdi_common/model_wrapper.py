@@ -1,5 +1,5 @@
-"""ModelWrapper: one sub-model (context encoding or token generation) of an application, with its
-buckets, the example inputs it is traced with (`input_generator`), and the per-call bucket choice
+"""ModelWrapper: one sub-model (context encoding, token generation, or chunked prefill) of an
+application, with its buckets, the example inputs it is traced with (`input_generator`), and the per-call bucket choice
 and padding. The torch model and its weights are shared by all wrappers of an application."""
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from nxdi_common import bucketing
 
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
+# extension (NeuronConfig.prefill_chunk_size): up to prefill_chunk_size prompt tokens of one
+# sequence from any position, over the cache like token generation
+CHUNKED_PREFILL_MODEL_TAG = "chunked_prefill_model"
 
 
 def _pad(t: torch.Tensor, dim: int, size: int, value) -> torch.Tensor:
@@ -29,10 +32,16 @@ class ModelWrapper:
         self.config, self.neuron_config = config, config.neuron_config
         self.model_cls, self.tag, self.compiler_args = model_cls, tag, compiler_args
         self.is_context = tag == CONTEXT_ENCODING_MODEL_TAG
+        self.is_chunk = tag == CHUNKED_PREFILL_MODEL_TAG
         nc = self.neuron_config
+        # tokens per row of a call: the length bucket for context encoding, else static
+        self.queries = nc.prefill_chunk_size if self.is_chunk else 1
         if self.is_context:
             self.length_buckets = bucketing.context_encoding_buckets(nc)
             self.batch_buckets = self._context_batch_buckets(nc)
+        elif self.is_chunk:  # one sequence at a time, over the token-generation cache lengths
+            self.length_buckets = bucketing.token_generation_buckets(nc)
+            self.batch_buckets = [1]
         else:
             self.length_buckets = bucketing.token_generation_buckets(nc)
             self.batch_buckets = bucketing.token_generation_batch_buckets(nc)
@@ -68,9 +77,9 @@ class ModelWrapper:
         return [self.example_inputs(b, n) for b, n in self.bucket_keys()]
 
     def example_inputs(self, batch: int, length: int) -> tuple[torch.Tensor, ...]:
-        s = length if self.is_context else 1
-        positions = torch.arange(s).expand(batch, s) if self.is_context else \
-            torch.full((batch, 1), length - 1)
+        s = length if self.is_context else self.queries
+        first = 0 if self.is_context else length - s
+        positions = torch.arange(first, first + s).clamp(min=0).expand(batch, s)
         table_width = max(1, (self.kv_len(length) or length) // self._block_size())
         return (torch.zeros(batch, s, dtype=torch.long), torch.ones(batch, s, dtype=torch.long),
                 positions.contiguous(), torch.arange(batch, dtype=torch.int32),
@@ -82,6 +91,8 @@ class ModelWrapper:
 
     def select_bucket(self, batch: int, needed_length: int) -> tuple[int, int]:
         what = "prompt length" if self.is_context else "sequence length"
+        if self.is_chunk and batch > 1:
+            raise ValueError(f"chunked prefill runs one sequence per call, got a batch of {batch}")
         length = bucketing.select_bucket(needed_length, self.length_buckets, what)
         batches = [b for b in self.batch_buckets if b <= self.max_batch(length)]
         if batches[-1] < batch <= self.batch_buckets[-1]:
@@ -117,14 +128,17 @@ class ModelWrapper:
 
     def _pad_inputs(self, inputs, key, scratch):
         """Pad rows with the scratch sequence slot and columns with padding tokens; padded
-        positions of a real row continue its positions (they are never attended to)."""
+        positions of a real row continue its positions in context encoding and repeat its last
+        one in a chunk (which attends over the cache: it must stay within the length bucket).
+        Padding tokens write to the scratch block and are never attended to."""
         b, n = key
         ids, mask, pos, seq, params, rand, slots, table = inputs
-        s = n if self.is_context else 1
+        s = n if self.is_context else self.queries
         width = max(1, (self.kv_len(n) or n) // self._block_size())
         scratch_row, scratch_block = scratch
         slot_fill = scratch_block * self._block_size()
-        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, s - pos.shape[1] + 1)], dim=1)
+        step = 1 if self.is_context else 0
+        pos = torch.cat([pos, pos[:, -1:] + step * torch.arange(1, s - pos.shape[1] + 1)], dim=1)
         rows = [_pad(_pad(ids, 1, s, 0), 0, b, 0), _pad(_pad(mask, 1, s, 0), 0, b, 0),
                 _pad(pos, 0, b, 0), _pad(seq, 0, b, scratch_row), _pad(params, 0, b, 1.0),
                 _pad(rand, 0, b, 0.0), _pad(_pad(slots, 1, s, slot_fill), 0, b, slot_fill),

@@ -41,7 +41,9 @@ class NeuronBaseModel(nn.Module):
         sampling_params [B, 3]; rand [B]; slot_mapping [B, S] and block_table [B, T/block] (block
         layout only); kv_cache is updated in place. kv_len None = context encoding, else token
         generation over the first kv_len cache positions. Returns (tokens,) or (tokens, logits)
-        with on-device sampling, else (logits,); logits are [B, vocab] float32 of the last token."""
+        with on-device sampling, else (logits,); logits are [B, vocab] float32 of the last token.
+        With kv_len and S > 1 (a chunk of a prompt) each query attends to the cache up to its
+        own position, this call's keys included."""
         index = (seq_ids, position_ids, slot_mapping, block_table)
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, hidden.dtype)
@@ -69,9 +71,10 @@ class NeuronBaseModel(nn.Module):
 
     @staticmethod
     def _last_token(hidden, attention_mask, kv_len):
-        """Hidden state of each row's last real token: [B, 1, hidden]."""
-        if kv_len is not None:
-            return hidden[:, -1:]
+        """Hidden state of each row's last real token: [B, 1, hidden] (a chunk of a prompt, like
+        a context, may end in padding; a token-generation call's one token is its last)."""
+        if kv_len is not None and hidden.shape[1] == 1:
+            return hidden
         last = attention_mask.long().sum(-1, keepdim=True) - 1  # [B, 1], right padding
         idx = last.clamp(min=0).unsqueeze(-1).expand(-1, 1, hidden.shape[-1])
         return hidden.gather(1, idx)
