@@ -3,7 +3,13 @@
 The asyncio side (gRPC handlers, KV pulls) admits sequences, writes pulled KV into their reserved
 blocks, and posts commands; the engine thread turns commands into batch changes between steps:
 
-    loop: apply commands -> at most one local prefill (CTE) -> one TKG step over the running batch
+    loop: apply commands -> one piece of a local prefill -> one TKG step over the running batch
+
+A local prefill runs in pieces of the model's prefill_chunk_size tokens (the first by context
+encoding, the rest by the chunked-prefill sub-model), one piece between two TKG steps, so a long
+prompt delays the running sequences' next token by one piece, not by its whole prefill. Positions
+already in the cache (a shared prefix) are not computed again. Without prefill_chunk_size the
+prompt is one context-encoding call.
 
 Blocks are reserved at admission for prompt + max_tokens, so a running sequence never runs out of
 KV room and nothing is ever preempted. Every sequence's blocks are freed exactly once, when it
@@ -13,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +59,8 @@ class DecodeEngine:
         self._blocks_lock = threading.Lock()
         self.scheduler = DecodeScheduler(config.max_batch_size)
         self._commands: queue.Queue = queue.Queue()
-        self._local: list[Sequence] = []
+        self._local: deque[Sequence] = deque()  # local prefills; the first one runs
+        self.chunk = model.neuron_config.prefill_chunk_size
         self._live: set[str] = set()  # admitted and not dropped
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._stopping = False
@@ -136,8 +144,8 @@ class DecodeEngine:
             if self._stopping:
                 break
             if self._local:
-                seq = self._local.pop(0)
-                self._guarded(self._local_prefill, [seq], seq)
+                seq = self._local.popleft()
+                self._guarded(self._prefill_piece, [seq], seq)
             batch = self.scheduler.next_batch()
             groups = self._decode_groups(batch)
             for group in groups:
@@ -192,18 +200,33 @@ class DecodeEngine:
                 self.scheduler.remove(seq)
                 self.release(seq)
 
+    def _next_piece(self, seq: Sequence) -> tuple[int, int]:
+        """Prompt positions [start, end) of the sequence's next local prefill call."""
+        n = seq.prompt_len
+        if self.chunk is None:
+            return 0, n  # one context encoding; a cached prefix is computed again, not written
+        start = seq.prefilled or seq.num_cached_tokens  # the cached prefix is read, not computed
+        return start, min(n, start + self.chunk)
+
     @torch.no_grad()
-    def _local_prefill(self, seq: Sequence) -> None:
-        """Context encoding on this worker; cached prefix positions are computed, not written."""
+    def _prefill_piece(self, seq: Sequence) -> None:
+        """The next piece of the sequence's prompt; after the last, its first token, and it
+        joins the batch. Cached prefix positions are never written (their blocks are shared)."""
         n, cached = seq.prompt_len, seq.num_cached_tokens
-        slots = self.slots(seq, 0, n)
-        slots = [self.scratch_slot if p < cached else s for p, s in enumerate(slots)]
+        start, end = self._next_piece(seq)
+        slots = [self.scratch_slot if p < cached else s
+                 for p, s in zip(range(start, end), self.slots(seq, start, end))]
+        last = end == n
         out = self.model.forward(
-            torch.tensor([seq.job.prompt_ids]), seq_ids=torch.tensor([0]),
-            position_ids=torch.arange(n).unsqueeze(0),
+            torch.tensor([seq.job.prompt_ids[start:end]]), seq_ids=torch.tensor([0]),
+            position_ids=torch.arange(start, end).unsqueeze(0),
             sampling_params=torch.tensor([seq.job.sampling.as_row()]),
             slot_mapping=torch.tensor([slots]), block_table=torch.tensor([seq.block_table]),
-            rand=torch.tensor([seq.draw_uniform()]))
+            rand=torch.tensor([seq.draw_uniform() if last else 0.0]))
+        seq.prefilled = end
+        if not last:
+            self._local.appendleft(seq)  # the next piece after the next decode step
+            return
         with self._blocks_lock:
             self.blocks.mark_computed(seq.request_id, n)
         self._finish_step([seq], out)

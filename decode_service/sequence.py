@@ -27,6 +27,7 @@ class Sequence:
     emit: Callable[[t.TokenOutput | Exception], None]
     rng: torch.Generator  # the request's random stream (nxdi_common.serving.sampling)
     slot: int = -1  # seq_id in the running batch
+    prefilled: int = 0  # prompt positions a local prefill has computed so far
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     arrival_ns: int = field(default_factory=time.monotonic_ns)

@@ -360,3 +360,63 @@ def test_fp8_and_full_precision_workers_refuse_each_other(fp8_pair, decode):
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "quant" in err.value.details()
     wait_for_idle(decode.grpc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked local prefill (--prefill-chunk-tokens)
+# ---------------------------------------------------------------------------------------------
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def decode_chunked(spawn_module, tiny_chat_model):
+    return spawn_module("decode_service", "--model", tiny_chat_model, "--dtype", "float32",
+                        "--backend", "eager", "--threads", "1", "--max-model-len", 512,
+                        "--kv-blocks", 96, "--block-size", 16, "--max-batch-size", 4,
+                        "--prefill-chunk-tokens", CHUNK)
+
+
+def test_chunked_prefill_and_a_cached_prefix_match_transformers(decode_chunked, reference):
+    """Prompts of several pieces, and prompts whose leading blocks are cached (the prefill
+    starts past them, reading them through the block table), give transformers' tokens."""
+    first = list(range(2000, 2200))
+    prompts = [first, first[:160] + list(range(5000, 5040)), first, list(range(300, 317))]
+    for i, ids in enumerate(prompts):  # one after the other: the later ones hit the cache
+        events = run(collect(decode_chunked.grpc, request(f"c{i}", ids, max_tokens=10)))
+        assert [e.token_id for e in events] == greedy(reference, ids, 10), i
+        cached = events[-1].usage.cached_prompt_tokens
+        assert cached == (0, 160, 192, 0)[i], (i, cached)
+
+
+def test_a_chunked_prefill_lets_running_sequences_step(decode_chunked):
+    """While a 320-token prompt is prefilled in 20 pieces, a running sequence keeps getting
+    tokens: one decode step runs between two pieces (one prefill would stall it throughout)."""
+    long_prompt = list(range(3000, 3320))
+
+    async def both():
+        arrivals = []
+        started = asyncio.Event()
+
+        async def running():
+            async with grpc.aio.insecure_channel(decode_chunked.grpc) as channel:
+                stream = pb_grpc.DecodeStub(channel).Generate(request("run", [5, 6, 7], 180))
+                async for _ in stream:
+                    arrivals.append("run")
+                    started.set()
+
+        async def prefilled():
+            await started.wait()
+            arrivals.append("submitted")
+            async with grpc.aio.insecure_channel(decode_chunked.grpc) as channel:
+                stream = pb_grpc.DecodeStub(channel).Generate(request("long", long_prompt, 2))
+                async for _ in stream:
+                    arrivals.append("long")
+
+        await asyncio.gather(running(), prefilled())
+        return arrivals
+
+    arrivals = run(both())
+    window = arrivals[arrivals.index("submitted"):arrivals.index("long")]
+    pieces = -(-len(long_prompt) // CHUNK)
+    assert window.count("run") >= pieces // 2, (window.count("run"), pieces)

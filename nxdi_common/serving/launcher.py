@@ -35,7 +35,7 @@ MODEL_FLAGS = ("--model", "--dtype", "--max-model-len", "--backend", "--compiled
 SERVICE_FLAGS = {
     "prefill": ("--host", "--port", "--metrics-port", "--max-batch-size", "--ctx-batch-size"),
     "decode": ("--host", "--port", "--metrics-port", "--max-batch-size", "--kv-blocks",
-               "--block-size", "--local-prefill-max-tokens"),
+               "--block-size", "--local-prefill-max-tokens", "--prefill-chunk-tokens"),
     "router": ("--host", "--http-port", "--grpc-port", "--prefill", "--decode", "--prefill-dns",
                "--decode-dns", "--policy"),
 }

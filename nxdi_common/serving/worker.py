@@ -129,10 +129,12 @@ def prefill_neuron_config(opts: ModelOptions, max_batch_size: int, ctx_batch_siz
 
 
 def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: int,
-                         block_size: int):
+                         block_size: int, prefill_chunk_tokens: int = 0):
     """Block KV cache of num_blocks blocks; TKG batch buckets up to max_batch_size; CTE (local
-    prefill) one prompt at a time."""
+    prefill) one prompt at a time, in pieces of prefill_chunk_tokens (0: whole)."""
     kwargs = {}
+    if prefill_chunk_tokens:
+        kwargs["prefill_chunk_size"] = prefill_chunk_tokens
     if opts.attention_kernel != "sdpa":
         from nxdi_common.kernels import kernels_unavailable_reason
         if kernels_unavailable_reason() is None:
