@@ -145,3 +145,35 @@ def test_bad_chunks_are_refused(tiny_llama_ckpt):
 def test_bad_configs_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         chunk_config(**overrides)
+
+
+@pytest.fixture(scope="module")
+def wide_heads_ckpt(tmp_path_factory):
+    """A tiny random Llama with 64-wide heads: the chunk attention kernel's bfloat16 case."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(1)
+    config = LlamaConfig(hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, vocab_size=256)
+    path = tmp_path_factory.mktemp("wide-heads")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_bf16_chunks_run_the_chunk_kernel_and_match_one_pass(wide_heads_ckpt, tmp_path,
+                                                             compile_cache_dir):
+    """bfloat16 with the fused ops: the compiled chunk graph calls nxdi::chunk_attention, and
+    the pieces give one context-encoding pass's logits to bfloat16 rounding, and its argmax."""
+    config = dict(torch_dtype=torch.bfloat16, cpu_fused_ops="fused")
+    model = NeuronLlamaForCausalLM(wide_heads_ckpt, neuron_config=chunk_config(**config))
+    model.compile(tmp_path / "model")
+    model.load(tmp_path / "model")
+    graph = str(next(iter(model.chunked_prefill_model.runnables.values())).inlined_graph)
+    assert "nxdi::chunk_attention" in graph
+    for n, first in ((29, 8), (61, 32)):
+        ids = prompt(n)
+        model.reset_kv_cache()
+        whole = run_piece(model, ids, 0)[0]
+        model.reset_kv_cache()
+        pieces = encode_in_pieces(model, ids, first)[0]
+        assert pieces.argmax() == whole.argmax()
+        torch.testing.assert_close(pieces, whole, rtol=0, atol=0.05 * whole.abs().max().item())

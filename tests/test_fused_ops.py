@@ -218,6 +218,68 @@ def test_causal_attention_refuses_bad_shapes(ops):
         ops.causal_attention(q, k.float(), v, 0.125)
 
 
+def chunk_case(batch, heads, kv_heads, queries, cache_len, first, dim, dtype, seed=0):
+    """q [B, H, S, D] at positions first..first+S-1 (row b starts b * 7 later), k and v
+    [B, Hkv, T, D] as the cache gather hands them over."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, queries, heads, dim, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(batch, cache_len, kv_heads, dim, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(batch, cache_len, kv_heads, dim, generator=g).to(dtype).transpose(1, 2)
+    pos = first + torch.arange(queries) + 7 * torch.arange(batch).unsqueeze(1)
+    return q, k, v, pos
+
+
+def masked_sdpa(q, k, v, pos, **kw):  # [B, S, H, D], the op's layout
+    allowed = torch.arange(k.shape[2]).view(1, 1, 1, -1) <= pos.view(pos.shape[0], 1, -1, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True,
+                                          **kw).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("shape", [
+    (1, 9, 3, 128, 2048, 1664, 64),  # the bundled model: the last chunk of a 1792-token prompt
+    (1, 9, 3, 100, 2048, 37, 64),  # a chunk early in the cache: keys stop far short of it
+    (2, 4, 2, 70, 512, 300, 128),  # two rows at different positions, 128-wide heads
+    (1, 4, 1, 5, 64, 0, 64),  # from position 0 (a whole short prompt)
+    (1, 2, 2, 1, 600, 599, 64),  # one query at the cache's last position
+])
+def test_chunk_attention_is_as_close_to_float32_as_sdpa(ops, dtype, shape):
+    q, k, v, pos = chunk_case(*shape, dtype)
+    got = ops.chunk_attention(q, k, v, pos, shape[-1] ** -0.5)
+    assert got.dtype == dtype and got.shape == (shape[0], shape[3], shape[1], shape[6])
+    assert got.is_contiguous()
+    want = masked_sdpa(q.float(), k.float(), v.float(), pos)
+    torch_err = (masked_sdpa(q, k, v, pos).float() - want).abs().max().item()
+    err = (got.float() - want).abs().max().item()
+    assert err <= 1.5 * torch_err + 1e-3, (err, torch_err)
+    if kernel_expected(dtype) and shape[3] > 4:
+        assert not torch.equal(got, masked_sdpa(q, k, v, pos)), "the kernel did not run"
+
+
+def test_chunk_attention_reads_no_key_past_a_querys_position(ops):
+    """Keys and values past the chunk's positions (the cache's stale or unwritten slots) change
+    nothing, even when they are NaN."""
+    q, k, v, pos = chunk_case(1, 4, 2, 40, 512, 200, 64, torch.bfloat16)
+    clean = ops.chunk_attention(q, k, v, pos, 0.125)
+    k, v = k.clone(), v.clone()
+    k[:, :, 240:] = float("nan")
+    v[:, :, 240:] = float("nan")
+    assert torch.equal(ops.chunk_attention(q, k, v, pos, 0.125), clean)
+
+
+def test_chunk_attention_falls_back_to_sdpa_and_refuses_bad_input(ops):
+    q, k, v, pos = chunk_case(1, 4, 2, 9, 64, 20, 64, torch.float32)
+    torch.testing.assert_close(ops.chunk_attention(q, k, v, pos, 0.125),
+                               masked_sdpa(q, k, v, pos, scale=0.125), rtol=1e-6, atol=1e-6)
+    q, k, v, pos = chunk_case(1, 4, 2, 9, 64, 20, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"positions must lie in 0..63"):
+        ops.chunk_attention(q, k, v, pos + 40, 0.125)
+    with pytest.raises(RuntimeError, match=r"positions must be \[batch, queries\]"):
+        ops.chunk_attention(q, k, v, pos[:, :4], 0.125)
+    with pytest.raises(RuntimeError, match="kv_heads dividing the query heads"):
+        ops.chunk_attention(q[:, :3], k, v, pos, 0.125)
+
+
 def test_context_encoding_uses_the_attention_kernel(tmp_path):
     """A bf16 model with 64-wide heads (the kernel's case): context encoding with the fused ops
     gives the torch path's logits to bf16 rounding and the same greedy tokens."""

@@ -21,12 +21,16 @@
 // without AMX such as AMD Zen 4) a float32 variant runs on our panel tile (tile_path, below).
 // bfloat16 and float16 with head_dim a multiple of 64 and scale > 0; anything else runs torch's
 // SDPA inside the op, so callers need no check.
+// torch.ops.nxdi.chunk_attention is the same tile path for a chunk of a prompt over the cache
+// (chunked prefill): queries at given positions, each over the keys up to its own position, the
+// keys read only up to the chunk's last position.
 #include "panel_tile.h"
 #include "simd.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/library.h>
@@ -66,8 +70,10 @@ constexpr int64_t kLd = kChunk + 16;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// seq: query positions; keys: key positions read (= seq for causal attention; for a prompt
+// chunk, its last query's position + 1); seq_pad: keys rounded up to whole panels.
 struct Shape {
-  int64_t batch, heads, kv_heads, seq, seq_pad, dim;
+  int64_t batch, heads, kv_heads, seq, seq_pad, dim, keys;
   int64_t group() const { return heads / kv_heads; }  // query heads per KV head
 };
 
@@ -291,17 +297,28 @@ using nxdi_tile::kMR;
 using nxdi_tile::kNR;
 using nxdi_tile::tile_rows;
 
+// 16 keys at a time: their rows widened 8 values per instruction into `rows`, then K's
+// transposed into its panel and V's 16-column pieces copied into theirs (an element at a time
+// this took ~3 ms per layer for 1792 keys, as much as a 64-query chunk's products).
 template <typename T>
 void widen_kv(const T* k, const T* v, int64_t k_pos_stride, int64_t v_pos_stride,
               const Shape& s, float* kp, float* vp) {
-  for (int64_t key = 0; key < s.seq_pad; ++key) {
-    const int64_t p = key / kNR, j = key % kNR;
-    for (int64_t d = 0; d < s.dim; ++d) {
-      const bool in = key < s.seq;
-      kp[(p * s.dim + d) * kNR + j] = in ? to_float(k[key * k_pos_stride + d]) : 0.f;
-      vp[((d / kNR) * s.seq_pad + key) * kNR + d % kNR] =
-          in ? to_float(v[key * v_pos_stride + d]) : 0.f;
-    }
+  std::vector<float> rows(kNR * s.dim);
+  auto widen_rows = [&](const T* src, int64_t stride, int64_t first) {
+    for (int64_t j = 0; j < kNR; ++j)
+      for (int64_t d = 0; d < s.dim; d += 8)
+        _mm256_storeu_ps(rows.data() + j * s.dim + d, first + j < s.keys
+                             ? load8(src + (first + j) * stride + d) : _mm256_setzero_ps());
+  };
+  for (int64_t p = 0; p < s.seq_pad / kNR; ++p) {
+    widen_rows(k, k_pos_stride, p * kNR);
+    for (int64_t d = 0; d < s.dim; ++d)
+      for (int64_t j = 0; j < kNR; ++j) kp[(p * s.dim + d) * kNR + j] = rows[j * s.dim + d];
+    widen_rows(v, v_pos_stride, p * kNR);
+    for (int64_t j = 0; j < kNR; ++j)
+      for (int64_t c = 0; c < s.dim / kNR; ++c)
+        std::copy_n(rows.data() + j * s.dim + c * kNR, kNR,
+                    vp + (c * s.seq_pad + p * kNR + j) * kNR);
   }
 }
 
@@ -383,10 +400,18 @@ void block_values(const float* probs, const float* vp, const Shape& s, int64_t c
   }
 }
 
+// Keys query `pos` attends to: 0..pos (causal, last == nullptr) or 0..last[pos] (a prompt
+// chunk: last holds the queries' positions in the cache); padding rows past s.seq read like the
+// last query.
+inline int64_t key_limit(const Shape& s, const int64_t* last, int64_t pos) {
+  if (last == nullptr) return std::min(pos + 1, s.seq);
+  return std::min(last[std::min(pos, s.seq - 1)] + 1, s.keys);
+}
+
 template <typename T>
 void attend_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, const float* kp,
-                  const float* vp, const Shape& s, int64_t start, float scale, T* out,
-                  int64_t out_pos_stride, Scratch& w) {
+                  const float* vp, const Shape& s, int64_t start, const int64_t* last,
+                  float scale, T* out, int64_t out_pos_stride, Scratch& w) {
   const int64_t rows = s.group() * kQueryBlock;
   for (int64_t h = 0; h < s.group(); ++h)
     for (int64_t i = 0; i < kQueryBlock; ++i) {
@@ -398,7 +423,9 @@ void attend_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, const
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
   std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.row_sum.begin(), w.row_sum.end(), 0.f);
-  const int64_t end = std::min(start + kQueryBlock, s.seq);
+  int64_t end = 0;  // keys of the block's longest row
+  for (int64_t pos = start; pos < std::min(start + kQueryBlock, s.seq); ++pos)
+    end = std::max(end, key_limit(s, last, pos));
   for (int64_t c = 0; c < end; c += kChunk) {
     const int64_t width = round_up(std::min(kChunk, end - c), kNR);
     for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
@@ -406,7 +433,11 @@ void attend_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, const
       block_scores(w.q.data(), kp, s, c, width, w.scores.data(), r0, n);
       for (int64_t r = r0; r < r0 + n; ++r) {
         const int64_t pos = start + r % kQueryBlock;
-        const int64_t keys = std::min(std::min(pos + 1, s.seq) - c, width);
+        const int64_t keys = std::min(key_limit(s, last, pos) - c, width);
+        if (keys <= 0) {  // a chunk's row with none of these keys: nothing to add
+          std::fill(w.probs.data() + r * kLd, w.probs.data() + r * kLd + width, 0.f);
+          continue;
+        }
         const float shrink = softmax_step(w.scores.data() + r * kLd, keys, width, scale,
                                           w.row_max[r], w.row_sum[r], w.probs.data() + r * kLd);
         if (shrink != 1.f)
@@ -425,9 +456,11 @@ void attend_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, const
   }
 }
 
+// last: nullptr (causal) or [batch, seq] positions (chunk_attention).
 template <typename T>
 void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           float scale, at::Tensor& out, const Shape& s) {
+                           float scale, at::Tensor& out, const Shape& s,
+                           const int64_t* last = nullptr) {
   const T* qd = q.data_ptr<T>();
   const T* kd = k.data_ptr<T>();
   const T* vd = v.data_ptr<T>();
@@ -451,8 +484,8 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       const int64_t b = pair / s.kv_heads, g = pair % s.kv_heads;
       attend_block(qd + b * q.stride(0) + g * s.group() * q.stride(1), q.stride(2), q.stride(1),
                    kwide + pair * panel_elems, vwide + pair * panel_elems, s,
-                   block * kQueryBlock, scale, od + b * out.stride(0) + g * s.group() * s.dim,
-                   out.stride(1), scratch);
+                   block * kQueryBlock, last == nullptr ? nullptr : last + b * s.seq, scale,
+                   od + b * out.stride(0) + g * s.group() * s.dim, out.stride(1), scratch);
     }
   });
 }
@@ -480,7 +513,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "causal_attention: q, k, v must be [batch, heads, seq, head_dim]");
   const Shape s{q.size(0), q.size(1), k.size(1), q.size(2), round_up(q.size(2), kPanel),
-                q.size(3)};
+                q.size(3), q.size(2)};
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == s.batch && k.size(2) == s.seq &&
                   k.size(3) == s.dim && s.kv_heads > 0 && s.heads % s.kv_heads == 0,
               "causal_attention: k and v must be [batch, kv_heads, seq, head_dim] with kv_heads "
@@ -503,10 +536,64 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// A chunk of a prompt over the cache: q [B, H, S, D] at positions [B, S] (int64), k and v
+// [B, Hkv, T, D] (the sequence's cache gathered, positions 0..T-1; last dimension contiguous);
+// query s of row b attends to keys 0..positions[b, s]. Returns [B, S, H, D], contiguous. The
+// float32 tile path where it applies (as causal_attention's, reading only up to the chunk's
+// last position), else torch's SDPA under the equivalent mask.
+at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& positions, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "chunk_attention: q, k, v must be [batch, heads, positions, head_dim]");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) &&
+                  k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "chunk_attention: k and v must be [batch, kv_heads, cache_len, head_dim] with "
+              "kv_heads dividing the query heads; got q ", q.sizes(), ", k ", k.sizes(), ", v ",
+              v.sizes());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "chunk_attention: q, k, v must share one dtype");
+  TORCH_CHECK(positions.dim() == 2 && positions.size(0) == q.size(0) &&
+                  positions.size(1) == q.size(2),
+              "chunk_attention: positions must be [batch, queries] = [", q.size(0), ", ",
+              q.size(2), "], got ", positions.sizes());
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  const int64_t cache_len = k.size(2);
+  if (pos.numel() == 0) return at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
+  const int64_t lo = pos.min().item<int64_t>(), hi = pos.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < cache_len, "chunk_attention: positions must lie in 0..",
+              cache_len - 1, " (the cache length), got ", lo, "..", hi);
+  const Shape s{q.size(0), q.size(1), k.size(1), q.size(2), round_up(hi + 1, kPanel), q.size(3),
+                hi + 1};
+  const at::ScalarType dtype = q.scalar_type();
+  const bool tile = kTileBuilt && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                    s.dim % kPanel == 0 && q.stride(3) == 1 && k.stride(3) == 1 &&
+                    v.stride(3) == 1 && scale > 0;
+  if (!tile) {
+    const at::Tensor allowed = at::arange(cache_len, pos.options()).view({1, 1, 1, cache_len})
+                                   .le(pos.view({s.batch, 1, s.seq, 1}));
+    return at::scaled_dot_product_attention(q, k, v, allowed, 0.0, false, scale, true)
+        .transpose(1, 2).contiguous();
+  }
+  at::Tensor out = at::empty({s.batch, s.seq, s.heads, s.dim}, q.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dtype == at::kBFloat16)
+    tile_path::causal_attention_impl<c10::BFloat16>(q, k, v, static_cast<float>(scale), out, s,
+                                                    pos.const_data_ptr<int64_t>());
+  else
+    tile_path::causal_attention_impl<c10::Half>(q, k, v, static_cast<float>(scale), out, s,
+                                                pos.const_data_ptr<int64_t>());
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nxdi, m) {
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("chunk_attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(nxdi, CPU, m) { m.impl("causal_attention", &causal_attention); }
+TORCH_LIBRARY_IMPL(nxdi, CPU, m) {
+  m.impl("causal_attention", &causal_attention);
+  m.impl("chunk_attention", &chunk_attention);
+}

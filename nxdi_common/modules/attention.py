@@ -64,7 +64,8 @@ class NeuronAttention(nn.Module):
         self.o_proj = Linear(q_out, hidden_size, bias=o_bias, **kw)
         self.q_norm = self.k_norm = None
         # torch.ops.nxdi with NeuronConfig.cpu_fused_ops: RoPE in one op, and context encoding's
-        # causal attention in our kernel (it falls back to SDPA itself where it does not apply)
+        # and prompt chunks' attention in our kernels (they fall back to SDPA themselves where
+        # they do not apply)
         self.fused = None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype, device=device)
@@ -105,7 +106,12 @@ class NeuronAttention(nn.Module):
         and mask is unused). Returns residual + attention output when residual is given."""
         q, k, v = self.project(x, cos, sin)
         kv_mgr.write(cache, layer, k, v, index)
-        if kv_len is not None and kv_mgr.paged_attention is not None:
+        if kv_len is not None and q.shape[2] > 1 and self.fused is not None:
+            # a chunk of a prompt: its queries over the cache gathered up to the length bucket;
+            # the kernel reads keys only up to the chunk's last position
+            k, v = kv_mgr.read(cache, layer, index, kv_len)
+            out = self.fused.chunk_attention(q, k, v, index[1], self.head_dim ** -0.5)
+        elif kv_len is not None and kv_mgr.paged_attention is not None:
             # reads the blocks in place; no mask
             out = kv_mgr.attend(cache, layer, q, index).transpose(1, 2)
         elif kv_len is None and mask is None and self.fused is not None:
