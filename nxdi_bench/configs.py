@@ -40,6 +40,7 @@ class ServeSettings:
     kv_blocks: int = 1024
     local_prefill_max_tokens: int = 0    # disaggregated: the router's conditional disaggregation
     local_prefill_queue_tokens: int = 0
+    prefill_chunk_tokens: int | None = None  # ours: decode workers' --prefill-chunk-tokens
     startup_timeout_s: float = 900.0
 
 
@@ -50,6 +51,8 @@ def _default_cpus() -> list[int]:
 
 def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
     decode_args = ["--max-batch-size", str(s.decode_max_batch_size), "--kv-blocks", str(s.kv_blocks)]
+    if s.prefill_chunk_tokens is not None:
+        decode_args += ["--prefill-chunk-tokens", str(s.prefill_chunk_tokens)]
     common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
                   compiled_root=s.compiled_root, quantize=s.quantize, decode_args=decode_args,
                   context_buckets=s.context_buckets,
