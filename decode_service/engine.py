@@ -7,7 +7,9 @@ blocks, and posts commands; the engine thread turns commands into batch changes 
 
 A local prefill runs in pieces of the model's prefill_chunk_size tokens (the first by context
 encoding, the rest by the chunked-prefill sub-model), one piece between two TKG steps, so a long
-prompt delays the running sequences' next token by one piece, not by its whole prefill. Positions
+prompt delays the running sequences' next token by one piece, not by its whole prefill. Of the
+waiting local prefills the one with the fewest prompt tokens left goes next (shortest remaining
+first: a short chat prompt does not wait behind the rest of a long one). Positions
 already in the cache (a shared prefix) are not computed again. Without prefill_chunk_size the
 prompt is one context-encoding call.
 
@@ -59,7 +61,7 @@ class DecodeEngine:
         self._blocks_lock = threading.Lock()
         self.scheduler = DecodeScheduler(config.max_batch_size)
         self._commands: queue.Queue = queue.Queue()
-        self._local: deque[Sequence] = deque()  # local prefills; the first one runs
+        self._local: deque[Sequence] = deque()  # local prefills: the one begun, then by arrival
         self.chunk = model.neuron_config.prefill_chunk_size
         self._live: set[str] = set()  # admitted and not dropped
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
@@ -144,7 +146,8 @@ class DecodeEngine:
             if self._stopping:
                 break
             if self._local:
-                seq = self._local.popleft()
+                seq = min(self._local, key=self._prefill_left)  # the first of the shortest
+                self._local.remove(seq)
                 self._guarded(self._prefill_piece, [seq], seq)
             batch = self.scheduler.next_batch()
             groups = self._decode_groups(batch)
@@ -200,6 +203,9 @@ class DecodeEngine:
                 self.scheduler.remove(seq)
                 self.release(seq)
 
+    def _prefill_left(self, seq: Sequence) -> int:
+        return seq.prompt_len - max(seq.prefilled, seq.num_cached_tokens if self.chunk else 0)
+
     def _next_piece(self, seq: Sequence) -> tuple[int, int]:
         """Prompt positions [start, end) of the sequence's next local prefill call."""
         n = seq.prompt_len
@@ -225,7 +231,7 @@ class DecodeEngine:
             rand=torch.tensor([seq.draw_uniform() if last else 0.0]))
         seq.prefilled = end
         if not last:
-            self._local.appendleft(seq)  # the next piece after the next decode step
+            self._local.appendleft(seq)  # its next piece after the next decode step
             return
         with self._blocks_lock:
             self.blocks.mark_computed(seq.request_id, n)

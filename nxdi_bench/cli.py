@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local-prefill-queue-tokens", type=int, default=0, metavar="Q",
                    help="disaggregated: the prefill worker counts as busy with at least Q "
                         "prompt tokens queued or being prefilled")
+    g.add_argument("--local-prefill-always-tokens", type=int, default=0, metavar="A",
+                   help="disaggregated: prompts of at most A tokens are always prefilled by the "
+                        "decode worker")
     g.add_argument("--prefill-chunk-tokens", type=int, default=None, metavar="N",
                    help="our decode workers prefill a prompt N tokens per piece, one piece "
                         "between two decode steps (0: whole prompts; default: the worker's)")
@@ -243,6 +246,7 @@ def _compare_settings(args):
                           kv_blocks=args.kv_blocks,
                           local_prefill_max_tokens=args.local_prefill_max_tokens,
                           local_prefill_queue_tokens=args.local_prefill_queue_tokens,
+                          local_prefill_always_tokens=args.local_prefill_always_tokens,
                           prefill_chunk_tokens=args.prefill_chunk_tokens)
     if args.cpus:
         serve.cpus = [int(c) for c in args.cpus.split(",")]

@@ -40,6 +40,7 @@ class ServeSettings:
     kv_blocks: int = 1024
     local_prefill_max_tokens: int = 0    # disaggregated: the router's conditional disaggregation
     local_prefill_queue_tokens: int = 0
+    local_prefill_always_tokens: int = 0
     prefill_chunk_tokens: int | None = None  # ours: decode workers' --prefill-chunk-tokens
     startup_timeout_s: float = 900.0
 
@@ -63,6 +64,8 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
         if s.local_prefill_max_tokens:
             router_args = ["--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
                            "--local-prefill-queue-tokens", str(s.local_prefill_queue_tokens)]
+        if s.local_prefill_always_tokens:
+            router_args += ["--local-prefill-always-tokens", str(s.local_prefill_always_tokens)]
         return LaunchSpec(prefill_workers=1, decode_workers=1, threads=1, cpus=cpus,
                           router_args=router_args, **common)
     if name == "aggregated":

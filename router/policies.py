@@ -81,18 +81,23 @@ class LocalPrefillRule:
     decode worker itself (no prefill candidates are sent) when every prefill candidate has at
     least ``queue_tokens`` prompt tokens ahead of it. A short prompt then waits behind one decode
     step instead of behind the long prompts the prefill pool is busy with; while the pool keeps
-    up, every prompt still goes to it. ``max_tokens`` 0 turns the rule off."""
+    up, every prompt still goes to it. ``max_tokens`` 0 turns the rule off. Prompts of at most
+    ``always_tokens`` are prefilled locally whatever the pool's queue (as Dynamo's
+    max_local_prefill_length): cheap for the decode worker, and off the prefill worker's queue."""
 
     max_tokens: int = 0
     queue_tokens: int = 0
+    always_tokens: int = 0
 
     def __post_init__(self):
-        for name in ("max_tokens", "queue_tokens"):
+        for name in ("max_tokens", "queue_tokens", "always_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"local prefill {name} must be an integer >= 0, got {value!r}")
 
     def prefill_locally(self, prompt_len: int, prefills: Sequence[WorkerState]) -> bool:
+        if 0 < prompt_len <= self.always_tokens:
+            return True
         return (0 < prompt_len <= self.max_tokens
                 and all(prompt_tokens_ahead(w) >= self.queue_tokens for w in prefills))
 

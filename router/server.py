@@ -51,6 +51,7 @@ class RouterSettings:
     shutdown_grace_seconds: float = 10.0
     local_prefill_max_tokens: int = 0
     local_prefill_queue_tokens: int = 0
+    local_prefill_always_tokens: int = 0
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -65,7 +66,8 @@ class RouterSettings:
 
     @property
     def local_prefill(self) -> LocalPrefillRule:
-        return LocalPrefillRule(self.local_prefill_max_tokens, self.local_prefill_queue_tokens)
+        return LocalPrefillRule(self.local_prefill_max_tokens, self.local_prefill_queue_tokens,
+                                self.local_prefill_always_tokens)
 
     @property
     def poll_timeout_seconds(self) -> float:
@@ -197,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local-prefill-queue-tokens", type=int, default=0, metavar="Q",
                    help="a prefill worker counts as busy with at least Q prompt tokens queued "
                         "or being prefilled (0: always busy, i.e. short prompts always local)")
+    g.add_argument("--local-prefill-always-tokens", type=int, default=0, metavar="A",
+                   help="prompts of at most A tokens are always prefilled by their decode "
+                        "worker, busy or not (longer ones as the two options above say)")
     return p
 
 
@@ -205,7 +210,7 @@ def settings_from_args(args) -> RouterSettings:
                           tuple(args.decode), tuple(args.prefill_dns), tuple(args.decode_dns),
                           args.policy, args.refresh_seconds, args.request_timeout_seconds,
                           args.shutdown_grace_seconds, args.local_prefill_max_tokens,
-                          args.local_prefill_queue_tokens)
+                          args.local_prefill_queue_tokens, args.local_prefill_always_tokens)
 
 
 async def serve(args) -> None:

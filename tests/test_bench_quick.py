@@ -117,3 +117,8 @@ def test_conditional_disaggregation_flags_reach_only_the_disaggregated_router():
         "--local-prefill-max-tokens", "256", "--local-prefill-queue-tokens", "1024"]
     assert our_launch_spec("aggregated", serve).router_args == []
     assert our_launch_spec("disaggregated", ServeSettings()).router_args == []
+    always = ServeSettings(local_prefill_always_tokens=256, prefill_chunk_tokens=128)
+    assert our_launch_spec("disaggregated", always).router_args == [
+        "--local-prefill-always-tokens", "256"]
+    for name in ("disaggregated", "aggregated"):
+        assert our_launch_spec(name, always).decode_args[-2:] == ["--prefill-chunk-tokens", "128"]

@@ -420,3 +420,22 @@ def test_a_chunked_prefill_lets_running_sequences_step(decode_chunked):
     window = arrivals[arrivals.index("submitted"):arrivals.index("long")]
     pieces = -(-len(long_prompt) // CHUNK)
     assert window.count("run") >= pieces // 2, (window.count("run"), pieces)
+
+
+def test_a_short_local_prefill_goes_before_the_rest_of_a_long_one(decode_chunked):
+    """Shortest remaining first: a 10-token prompt sent while a 480-token prompt is being
+    prefilled (30 pieces) gets its first token before the long one does."""
+    async def both():
+        order = []
+
+        async def one(rid, ids, delay):
+            await asyncio.sleep(delay)
+            async with grpc.aio.insecure_channel(decode_chunked.grpc) as channel:
+                async for _ in pb_grpc.DecodeStub(channel).Generate(request(rid, ids, 1)):
+                    order.append(rid)
+
+        await asyncio.gather(one("long", list(range(4000, 4480)), 0.0),
+                             one("short", list(range(20, 30)), 0.02))
+        return order
+
+    assert run(both()) == ["short", "long"]

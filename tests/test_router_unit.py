@@ -542,6 +542,18 @@ def test_local_prefill_rule_needs_a_short_prompt_and_every_prefill_worker_busy()
         LocalPrefillRule(64, -1)
 
 
+def test_short_prompts_can_always_be_local_and_long_ones_when_the_pool_is_busy():
+    rule = LocalPrefillRule(max_tokens=2048, queue_tokens=1000, always_tokens=256)
+    idle, busy = busy_prefill("p1:1", queued=100), busy_prefill("p2:1", running=1200)
+    assert rule.prefill_locally(256, [idle])  # short: local whatever the pool's queue
+    assert not rule.prefill_locally(257, [idle])  # longer, pool keeps up: remote
+    assert rule.prefill_locally(2048, [busy])  # longer, pool busy: local
+    assert not rule.prefill_locally(2049, [busy])
+    assert LocalPrefillRule(always_tokens=64).prefill_locally(64, [busy])
+    with pytest.raises(ValueError, match="local prefill always_tokens must be an integer >= 0"):
+        LocalPrefillRule(always_tokens=-1)
+
+
 def test_prefill_ranking_counts_the_tokens_being_prefilled():
     workers = [busy_prefill("p1:1", queued=100, running=900), busy_prefill("p2:1", queued=500)]
     assert addresses(LeastLoaded().rank_prefill([1], workers)) == ["p2:1", "p1:1"]
@@ -551,3 +563,11 @@ def test_router_settings_name_a_bad_local_prefill_value():
     from router.server import RouterSettings
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 0, got -5"):
         RouterSettings(local_prefill_max_tokens=-5)
+
+
+def test_router_command_line_sets_the_local_prefill_rule():
+    from router.server import build_parser, settings_from_args
+    args = build_parser().parse_args(["--local-prefill-max-tokens", "2048",
+                                      "--local-prefill-queue-tokens", "1024",
+                                      "--local-prefill-always-tokens", "256"])
+    assert settings_from_args(args).local_prefill == LocalPrefillRule(2048, 1024, 256)
