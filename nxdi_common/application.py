@@ -191,7 +191,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         the positions before it must be in the cache (block_table). Samples from its last token."""
         chunk = self.neuron_config.prefill_chunk_size
         if self.chunked_prefill_model is None:
-            raise ValueError("input_ids of several tokens at positions past 0 are a chunk of a "
+            raise ValueError("token generation takes one new token per sequence (input_ids "
+                             "[B, 1]); several tokens at positions past 0 are a chunk of a "
                              "prompt: set NeuronConfig.prefill_chunk_size (block KV layout) to "
                              "run them, or start the sequence at position 0")
         b, s = input_ids.shape
