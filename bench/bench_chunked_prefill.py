@@ -8,7 +8,9 @@ the cache), as the decode worker runs them (decode_service/engine.py).
 Loads the bundled model as a decode worker does (bf16, block KV cache, the default kernels) once
 per chunk size and prints, per repeat, the one-call time, the pieces' total, and the first,
 second and last pieces' times (a piece late in a long prompt attends over more of the cache).
-Runs unchanged at fa6c340 (chunk attention on the paged decode kernel) for the before figures."""
+Runs unchanged at fa6c340 (chunk attention on the paged decode kernel) for the before figures.
+--op-only times one layer's attention for the last --chunk of the prompt instead (bundled model's
+heads: 9 query, 3 KV, 64 wide): torch.ops.nxdi.chunk_attention against gather + masked SDPA."""
 from __future__ import annotations
 
 import argparse
@@ -46,6 +48,27 @@ def run(length: int, chunk: int, threads: int, backend: str, repeats: int) -> No
               f"{times[-1] * 1e3:4.0f} ms", flush=True)
 
 
+def op_times(length: int, chunk: int, repeats: int = 20) -> None:
+    import torch.nn.functional as F
+    from nxdi_common.kernels import fused_ops
+    ops = fused_ops()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 9, chunk, 64, generator=g).bfloat16()
+    k = torch.randn(1, 3, 2048, 64, generator=g).bfloat16()
+    v = torch.randn(1, 3, 2048, 64, generator=g).bfloat16()
+    pos = (length - chunk + torch.arange(chunk)).unsqueeze(0)
+    mask = torch.arange(2048).view(1, 1, 1, -1) <= pos.view(1, 1, -1, 1)
+    for name, fn in (("chunk_attention", lambda: ops.chunk_attention(q, k, v, pos, 0.125)),
+                     ("masked SDPA", lambda: F.scaled_dot_product_attention(
+                         q, k, v, attn_mask=mask, enable_gqa=True))):
+        fn()
+        began = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        print(f"{name:16s} {chunk} queries at {length - chunk}..{length - 1}: "
+              f"{(time.perf_counter() - began) / repeats * 1e3:.2f} ms per layer", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--length", type=int, default=1792)
@@ -53,8 +76,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--backend", choices=("compiled", "eager"), default="compiled")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--op-only", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.op_only:
+        for chunk in args.chunks:
+            op_times(args.length, chunk)
+        return
     for chunk in args.chunks:
         run(args.length, chunk, args.threads, args.backend, args.repeats)
 
