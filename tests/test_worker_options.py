@@ -40,6 +40,14 @@ def test_default_context_buckets_start_at_32_and_are_quartered_past_1024():
     assert small.context_encoding_buckets == [32, 64, 96]
 
 
+def test_prefill_pieces_only_where_a_prompt_can_be_longer_than_one():
+    opts = worker.ModelOptions(max_model_len=2048)
+    assert worker.decode_neuron_config(opts, 4, 64, 16, 256).prefill_chunk_size == 256
+    assert worker.decode_neuron_config(opts, 4, 64, 16, 0).prefill_chunk_size is None
+    short = worker.ModelOptions(max_model_len=128)  # the default 256 would not fit seq_len
+    assert worker.decode_neuron_config(short, 4, 64, 16, 256).prefill_chunk_size is None
+
+
 def test_bad_context_buckets_name_the_option():
     with pytest.raises(ValueError, match="context_buckets must end at max_model_len"):
         worker.ModelOptions(max_model_len=512, context_buckets=(128, 256))

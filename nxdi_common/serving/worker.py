@@ -131,9 +131,10 @@ def prefill_neuron_config(opts: ModelOptions, max_batch_size: int, ctx_batch_siz
 def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: int,
                          block_size: int, prefill_chunk_tokens: int = 0):
     """Block KV cache of num_blocks blocks; TKG batch buckets up to max_batch_size; CTE (local
-    prefill) one prompt at a time, in pieces of prefill_chunk_tokens (0: whole)."""
+    prefill) one prompt at a time, in pieces of prefill_chunk_tokens (0: whole; no pieces either
+    when a piece would hold any prompt the model takes)."""
     kwargs = {}
-    if prefill_chunk_tokens:
+    if 0 < prefill_chunk_tokens < opts.max_model_len:
         kwargs["prefill_chunk_size"] = prefill_chunk_tokens
     if opts.attention_kernel != "sdpa":
         from nxdi_common.kernels import kernels_unavailable_reason
