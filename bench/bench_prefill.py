@@ -2,7 +2,7 @@
 attention op against torch's SDPA on the bundled model's head shapes.
 
     python bench/bench_prefill.py [--lengths 512 1024 1792] [--fused-ops fused torch] [--cpu 1]
-                                  [--skip-attention]
+                                  [--weight-layouts auto panels onednn] [--skip-attention]
 
 Loads the bundled model as a prefill worker does (bf16, compiled backend, one torch thread,
 quartered prompt buckets) once per --fused-ops value and times one prompt of each length (median
@@ -35,10 +35,11 @@ def median_ms(fn, repeats: int = 5, warmup: int = 2) -> float:
     return statistics.median(times) * 1e3
 
 
-def prefill_times(kind: str, lengths: list[int]) -> dict[int, float]:
+def prefill_times(kind: str, lengths: list[int], layout: str = "auto") -> dict[int, float]:
     opts = ModelOptions(None, "bfloat16", 2048, "compiled", None, 1)
     config = prefill_neuron_config(opts, 1, 1)
     config.cpu_fused_ops = kind
+    config.cpu_weight_layout = layout
     model = load_model(opts, config)
     out = {}
     for n in lengths:
@@ -68,15 +69,20 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 1792])
     p.add_argument("--fused-ops", nargs="*", default=["fused", "torch"],
                    choices=["fused", "torch"])
+    p.add_argument("--weight-layouts", nargs="+", default=["auto"],
+                   choices=["auto", "panels", "onednn", "plain"],
+                   help="NeuronConfig.cpu_weight_layout values to time the prefill with")
     p.add_argument("--cpu", type=int, default=1)
     p.add_argument("--skip-attention", action="store_true",
                    help="prefill only (e.g. to time an older tree through PYTHONPATH)")
     args = p.parse_args(argv)
     os.sched_setaffinity(0, {args.cpu})
     torch.set_num_threads(1)
-    for kind in args.fused_ops:
-        for n, ms in prefill_times(kind, args.lengths).items():
-            print(f"prefill {n:5d} tokens, cpu_fused_ops={kind:5s}: {ms:7.1f} ms", flush=True)
+    for layout in args.weight_layouts:
+        for kind in args.fused_ops:
+            for n, ms in prefill_times(kind, args.lengths, layout).items():
+                print(f"prefill {n:5d} tokens, cpu_fused_ops={kind:5s}, weights {layout:6s}: "
+                      f"{ms:7.1f} ms", flush=True)
     if args.skip_attention:
         return 0
     for n, (sdpa, ours) in attention_times(args.lengths).items():

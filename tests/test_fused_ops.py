@@ -256,6 +256,23 @@ def test_chunk_attention_is_as_close_to_float32_as_sdpa(ops, dtype, shape):
         assert not torch.equal(got, masked_sdpa(q, k, v, pos)), "the kernel did not run"
 
 
+def test_bf16_attention_runs_on_bf16_dot_products_where_the_cpu_has_them(ops):
+    """On AVX512-BF16 CPUs the tile path multiplies bf16 on vdpbf16ps, which flushes subnormal
+    inputs to zero: values of 2^-130 average to 0 there and to 2^-130 on the float32 path. (The
+    closeness tests above hold for both.) causal_attention runs oneDNN's brgemm on AMX CPUs."""
+    flags = kernels.cpu_flags()
+    q, k, v, pos = chunk_case(1, 4, 2, 70, 256, 100, 64, torch.bfloat16)
+    v = torch.full_like(v, 2.0 ** -130)  # subnormal in bf16 and float32
+    chunk = ops.chunk_attention(q, k, v, pos, 0.125).float()
+    causal = ops.causal_attention(q, k[:, :, :70], v[:, :, :70], 0.125).float()
+    results = [chunk] if "amx_bf16" in flags else [chunk, causal]
+    for got in results:
+        if "avx512_bf16" in flags:
+            assert not got.any()
+        else:
+            assert bool((got > 0).all())
+
+
 def test_chunk_attention_reads_no_key_past_a_querys_position(ops):
     """Keys and values past the chunk's positions (the cache's stale or unwritten slots) change
     nothing, even when they are NaN."""

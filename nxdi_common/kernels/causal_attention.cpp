@@ -18,7 +18,9 @@
 // the P.V product, float32 accumulation, one division and one rounding at the end; results agree
 // with torch's SDPA to the dtype's rounding (not bit for bit).
 // Where oneDNN cannot pack the dtype but the CPU has AVX2 and FMA (AVX2-only CPUs, and AVX-512
-// without AMX such as AMD Zen 4) a float32 variant runs on our panel tile (tile_path, below).
+// without AMX such as AMD Zen 4) a float32 variant runs on our panel tile (tile_path, below);
+// bfloat16 where the CPU has AVX512-BF16 (Zen 4) runs its products on bf16 dot products instead
+// (tile_path::attention_dot: 1792 tokens 1.49x the float32 variant, one core).
 // bfloat16 and float16 with head_dim a multiple of 64 and scale > 0; anything else runs torch's
 // SDPA inside the op, so callers need no check.
 // torch.ops.nxdi.chunk_attention is the same tile path for a chunk of a prompt over the cache
@@ -490,8 +492,191 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   });
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 inputs where the CPU has AVX512-BF16 dot products (AMD Zen 4): the same blocks,
+// chunks and online softmax, the products by vdpbf16ps (two bf16 products summed into a float32
+// per lane: twice the float32 path's products per instruction, and 16 lanes, not 8). K is packed
+// once per (batch, KV head) into panels of 16 keys with head-dim pairs interleaved
+// (kb[p][i][j][e] = K[16p + j][2i + e]), V into panels of 16 head-dim columns with key pairs
+// interleaved (vb[c][i][j][e] = V[2i + e][16c + j]); probabilities are rounded to bf16 for the
+// P.V product, as torch's flash kernel rounds them to the dtype. Sums stay float32.
+constexpr int kDotRows = 8;  // query rows per register tile
+
+inline __m512bh pair_at(const c10::BFloat16* x) {
+  int32_t bits;
+  std::memcpy(&bits, x, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+// c[r][0, 16) = sum over pairs i of a[r][2i, 2i + 2) . panel[i] (32 bf16: 16 lanes x 2), r < MR.
+template <int MR>
+void dot_rows(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* panel, int64_t pairs,
+              float* c) {
+  __m512 acc[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + i * 2 * kNR);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair_at(a + r * lda + 2 * i), w);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + r * kNR, acc[r]);
+}
+
+void dot_tile(int n, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* panel,
+              int64_t pairs, float* c) {
+  switch (n) {
+    case 1: return dot_rows<1>(a, lda, panel, pairs, c);
+    case 2: return dot_rows<2>(a, lda, panel, pairs, c);
+    case 3: return dot_rows<3>(a, lda, panel, pairs, c);
+    case 4: return dot_rows<4>(a, lda, panel, pairs, c);
+    case 5: return dot_rows<5>(a, lda, panel, pairs, c);
+    case 6: return dot_rows<6>(a, lda, panel, pairs, c);
+    case 7: return dot_rows<7>(a, lda, panel, pairs, c);
+    default: return dot_rows<8>(a, lda, panel, pairs, c);
+  }
+}
+
+using BF16 = c10::BFloat16;
+
+void pack_kv_pairs(const BF16* k, const BF16* v, int64_t k_pos_stride, int64_t v_pos_stride,
+                   const Shape& s, BF16* kb, BF16* vb) {
+  const BF16 zero(0.f);
+  const int64_t half = s.dim / 2, key_pairs = s.seq_pad / 2;
+  for (int64_t key = 0; key < s.seq_pad; ++key) {
+    const bool in = key < s.keys;
+    const int64_t p = key / kNR, j = key % kNR;
+    for (int64_t d = 0; d < s.dim; ++d) {
+      kb[((p * half + d / 2) * kNR + j) * 2 + d % 2] = in ? k[key * k_pos_stride + d] : zero;
+      vb[(((d / kNR) * key_pairs + key / 2) * kNR + d % kNR) * 2 + key % 2] =
+          in ? v[key * v_pos_stride + d] : zero;
+    }
+  }
+}
+
+struct DotScratch {
+  explicit DotScratch(int64_t rows, int64_t dim)
+      : q(rows * dim), probs(rows * kLd), scores(rows * kLd), p32(rows * kLd), acc(rows * dim),
+        row_max(rows), row_sum(rows) {}
+  std::vector<BF16> q, probs;
+  std::vector<float> scores, p32, acc, row_max, row_sum;
+};
+
+void attend_block_dot(const BF16* q, int64_t q_pos_stride, int64_t q_head_stride, const BF16* kb,
+                      const BF16* vb, const Shape& s, int64_t start, const int64_t* last,
+                      float scale, BF16* out, int64_t out_pos_stride, DotScratch& w) {
+  const int64_t rows = s.group() * kQueryBlock, half = s.dim / 2;
+  for (int64_t h = 0; h < s.group(); ++h)
+    for (int64_t i = 0; i < kQueryBlock; ++i) {
+      BF16* dst = w.q.data() + (h * kQueryBlock + i) * s.dim;
+      const int64_t pos = start + i;
+      for (int64_t d = 0; d < s.dim; ++d)
+        dst[d] = pos < s.seq ? q[h * q_head_stride + pos * q_pos_stride + d] : BF16(0.f);
+    }
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.row_sum.begin(), w.row_sum.end(), 0.f);
+  int64_t end = 0;
+  for (int64_t pos = start; pos < std::min(start + kQueryBlock, s.seq); ++pos)
+    end = std::max(end, key_limit(s, last, pos));
+  float t[kDotRows * kNR];
+  for (int64_t c = 0; c < end; c += kChunk) {
+    const int64_t width = round_up(std::min(kChunk, end - c), kNR);
+    for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kDotRows, rows - r0));
+      for (int64_t p = 0; p < width / kNR; ++p) {
+        dot_tile(n, w.q.data() + r0 * s.dim, s.dim, kb + (c / kNR + p) * half * 2 * kNR, half,
+                 t);
+        for (int r = 0; r < n; ++r)
+          std::copy(t + r * kNR, t + (r + 1) * kNR, w.scores.data() + (r0 + r) * kLd + p * kNR);
+      }
+      for (int64_t r = r0; r < r0 + n; ++r) {
+        const int64_t pos = start + r % kQueryBlock;
+        const int64_t keys = std::min(key_limit(s, last, pos) - c, width);
+        float* p32 = w.p32.data() + r * kLd;
+        if (keys <= 0) {
+          std::fill(p32, p32 + width, 0.f);
+        } else {
+          const float shrink = softmax_step(w.scores.data() + r * kLd, keys, width, scale,
+                                            w.row_max[r], w.row_sum[r], p32);
+          if (shrink != 1.f)
+            for (int64_t d = 0; d < s.dim; ++d) w.acc[r * s.dim + d] *= shrink;
+        }
+        BF16* p16 = w.probs.data() + r * kLd;
+        for (int64_t j = 0; j < width; j += kNR)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + j),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p32 + j)));
+      }
+      for (int64_t d = 0; d < s.dim / kNR; ++d) {
+        dot_tile(n, w.probs.data() + r0 * kLd, kLd, vb + (d * (s.seq_pad / 2) + c / 2) * 2 * kNR,
+                 width / 2, t);
+        for (int r = 0; r < n; ++r) {
+          float* a = w.acc.data() + (r0 + r) * s.dim + d * kNR;
+          _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(t + r * kNR)));
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t pos = start + r % kQueryBlock;
+    if (pos >= s.seq) continue;
+    const __m256 inv = _mm256_set1_ps(1.f / w.row_sum[r]);
+    BF16* o = out + pos * out_pos_stride + (r / kQueryBlock) * s.dim;
+    for (int64_t d = 0; d < s.dim; d += 8)
+      store8(o + d, _mm256_mul_ps(_mm256_loadu_ps(w.acc.data() + r * s.dim + d), inv));
+  }
+}
+
+// causal_attention_impl on bf16 dot products (last as there).
+void attention_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
+                   at::Tensor& out, const Shape& s, const int64_t* last = nullptr) {
+  const BF16* qd = q.data_ptr<BF16>();
+  const BF16* kd = k.data_ptr<BF16>();
+  const BF16* vd = v.data_ptr<BF16>();
+  BF16* od = out.data_ptr<BF16>();
+  const int64_t pairs = s.batch * s.kv_heads, panel_elems = s.seq_pad * s.dim;
+  std::vector<BF16> packed(2 * pairs * panel_elems);  // every element is written by pack_kv_pairs
+  BF16* kb = packed.data();
+  BF16* vb = kb + pairs * panel_elems;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / s.kv_heads, g = i % s.kv_heads;
+      pack_kv_pairs(kd + b * k.stride(0) + g * k.stride(1), vd + b * v.stride(0) + g * v.stride(1),
+                    k.stride(2), v.stride(2), s, kb + i * panel_elems, vb + i * panel_elems);
+    }
+  });
+  const int64_t blocks = (s.seq + kQueryBlock - 1) / kQueryBlock;
+  at::parallel_for(0, pairs * blocks, 1, [&](int64_t begin, int64_t end) {
+    DotScratch scratch(s.group() * kQueryBlock, s.dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t pair = i % pairs, block = blocks - 1 - i / pairs;  // longest blocks first
+      const int64_t b = pair / s.kv_heads, g = pair % s.kv_heads;
+      attend_block_dot(qd + b * q.stride(0) + g * s.group() * q.stride(1), q.stride(2),
+                       q.stride(1), kb + pair * panel_elems, vb + pair * panel_elems, s,
+                       block * kQueryBlock, last == nullptr ? nullptr : last + b * s.seq, scale,
+                       od + b * out.stride(0) + g * s.group() * s.dim, out.stride(1), scratch);
+    }
+  });
+}
+#endif  // __AVX512BF16__
+
 }  // namespace tile_path
 #endif  // __AVX2__ && __FMA__
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The tile path: bf16 on the dot products where the CPU has them, else in float32.
+void run_tile(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
+              at::Tensor& out, const Shape& s, const int64_t* last) {
+#if defined(__AVX512BF16__)
+  if (q.scalar_type() == at::kBFloat16) return tile_path::attention_dot(q, k, v, scale, out, s, last);
+#endif
+  if (q.scalar_type() == at::kBFloat16)
+    tile_path::causal_attention_impl<c10::BFloat16>(q, k, v, scale, out, s, last);
+  else
+    tile_path::causal_attention_impl<c10::Half>(q, k, v, scale, out, s, last);
+}
+#endif
 
 // The brgemm path where it was chosen, else the tile path (the caller checked one is built).
 template <typename T>
@@ -501,7 +686,7 @@ void run(bool brgemm, const at::Tensor& q, const at::Tensor& k, const at::Tensor
   if (brgemm) return brgemm_path::causal_attention_impl<T>(q, k, v, scale, out, s);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  tile_path::causal_attention_impl<T>(q, k, v, scale, out, s);
+  run_tile(q, k, v, scale, out, s, nullptr);
 #endif
 }
 
@@ -576,12 +761,7 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   }
   at::Tensor out = at::empty({s.batch, s.seq, s.heads, s.dim}, q.options());
 #if defined(__AVX2__) && defined(__FMA__)
-  if (dtype == at::kBFloat16)
-    tile_path::causal_attention_impl<c10::BFloat16>(q, k, v, static_cast<float>(scale), out, s,
-                                                    pos.const_data_ptr<int64_t>());
-  else
-    tile_path::causal_attention_impl<c10::Half>(q, k, v, static_cast<float>(scale), out, s,
-                                                pos.const_data_ptr<int64_t>());
+  run_tile(q, k, v, static_cast<float>(scale), out, s, pos.const_data_ptr<int64_t>());
 #endif
   return out;
 }
