@@ -205,7 +205,7 @@ class DecodeEngine:
 
     def _prefill_left(self, seq: Sequence) -> int:
         """Prompt tokens the sequence's local prefill has still to compute (its order key)."""
-        return seq.prompt_len - max(seq.prefilled, seq.num_cached_tokens if self.chunk else 0)
+        return seq.prompt_len - self._next_piece(seq)[0]
 
     def _next_piece(self, seq: Sequence) -> tuple[int, int]:
         """Prompt positions [start, end) of the sequence's next local prefill call."""

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -371,11 +372,17 @@ float softmax_step(const float* scores, int64_t n, int64_t w, float scale, float
   return shrink;
 }
 
+// One thread's working set for a query block: its queries in Q (float32, or bf16 for the dot
+// products, which also round each chunk's probabilities to bf16: probs16), one chunk's scores and
+// probabilities, the running softmax and the accumulators.
+template <typename Q>
 struct Scratch {
-  explicit Scratch(int64_t rows, int64_t dim)
+  Scratch(int64_t rows, int64_t dim)
       : q(rows * dim), probs(rows * kLd), scores(rows * kLd), acc(rows * dim), row_max(rows),
-        row_sum(rows) {}
-  std::vector<float> q, probs, scores, acc, row_max, row_sum;
+        row_sum(rows), probs16(std::is_same_v<Q, c10::BFloat16> ? rows * kLd : 0) {}
+  std::vector<Q> q;
+  std::vector<float> probs, scores, acc, row_max, row_sum;
+  std::vector<c10::BFloat16> probs16;
 };
 
 // rows [r0, r0 + n) of the block: scores[r][0, width) = q_r . key c + j (all `width` keys from c).
@@ -410,45 +417,49 @@ inline int64_t key_limit(const Shape& s, const int64_t* last, int64_t pos) {
   return std::min(last[std::min(pos, s.seq - 1)] + 1, s.keys);
 }
 
-template <typename T>
-void attend_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, const float* kp,
-                  const float* vp, const Shape& s, int64_t start, const int64_t* last,
-                  float scale, T* out, int64_t out_pos_stride, Scratch& w) {
-  const int64_t rows = s.group() * kQueryBlock;
+// Start the query block at `start`: its queries (zero past s.seq) into the scratch, the running
+// softmax and accumulators reset. Returns the keys of its longest row.
+template <typename Q, typename T>
+int64_t begin_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, const Shape& s,
+                    int64_t start, const int64_t* last, Scratch<Q>& w) {
   for (int64_t h = 0; h < s.group(); ++h)
     for (int64_t i = 0; i < kQueryBlock; ++i) {
-      float* dst = w.q.data() + (h * kQueryBlock + i) * s.dim;
+      Q* dst = w.q.data() + (h * kQueryBlock + i) * s.dim;
       const int64_t pos = start + i;
-      for (int64_t d = 0; d < s.dim; ++d)
-        dst[d] = pos < s.seq ? to_float(q[h * q_head_stride + pos * q_pos_stride + d]) : 0.f;
+      for (int64_t d = 0; d < s.dim; ++d)  // a bf16 query stays exact through float32
+        dst[d] = Q(pos < s.seq ? to_float(q[h * q_head_stride + pos * q_pos_stride + d]) : 0.f);
     }
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
   std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.row_sum.begin(), w.row_sum.end(), 0.f);
-  int64_t end = 0;  // keys of the block's longest row
+  int64_t end = 0;
   for (int64_t pos = start; pos < std::min(start + kQueryBlock, s.seq); ++pos)
     end = std::max(end, key_limit(s, last, pos));
-  for (int64_t c = 0; c < end; c += kChunk) {
-    const int64_t width = round_up(std::min(kChunk, end - c), kNR);
-    for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
-      const int n = static_cast<int>(std::min<int64_t>(kMR, rows - r0));
-      block_scores(w.q.data(), kp, s, c, width, w.scores.data(), r0, n);
-      for (int64_t r = r0; r < r0 + n; ++r) {
-        const int64_t pos = start + r % kQueryBlock;
-        const int64_t keys = std::min(key_limit(s, last, pos) - c, width);
-        if (keys <= 0) {  // a chunk's row with none of these keys: nothing to add
-          std::fill(w.probs.data() + r * kLd, w.probs.data() + r * kLd + width, 0.f);
-          continue;
-        }
-        const float shrink = softmax_step(w.scores.data() + r * kLd, keys, width, scale,
-                                          w.row_max[r], w.row_sum[r], w.probs.data() + r * kLd);
-        if (shrink != 1.f)
-          for (int64_t d = 0; d < s.dim; ++d) w.acc[r * s.dim + d] *= shrink;
-      }
-      block_values(w.probs.data(), vp, s, c, width, w.acc.data(), r0, n);
-    }
+  return end;
+}
+
+// Row r's online-softmax step over the chunk of `width` keys from c: its probabilities into
+// w.probs (zero where the row has none of these keys) and its accumulator rescaled.
+template <typename Q>
+void softmax_row(const Shape& s, const int64_t* last, int64_t start, int64_t r, int64_t c,
+                 int64_t width, float scale, Scratch<Q>& w) {
+  const int64_t keys = std::min(key_limit(s, last, start + r % kQueryBlock) - c, width);
+  float* probs = w.probs.data() + r * kLd;
+  if (keys <= 0) {
+    std::fill(probs, probs + width, 0.f);
+    return;
   }
-  for (int64_t r = 0; r < rows; ++r) {
+  const float shrink = softmax_step(w.scores.data() + r * kLd, keys, width, scale, w.row_max[r],
+                                    w.row_sum[r], probs);
+  if (shrink != 1.f)
+    for (int64_t d = 0; d < s.dim; ++d) w.acc[r * s.dim + d] *= shrink;
+}
+
+// The block's output rows: accumulator / softmax sum, in T, as [position, head, head_dim].
+template <typename Q, typename T>
+void end_block(const Shape& s, int64_t start, const Scratch<Q>& w, T* out,
+               int64_t out_pos_stride) {
+  for (int64_t r = 0; r < s.group() * kQueryBlock; ++r) {
     const int64_t pos = start + r % kQueryBlock;
     if (pos >= s.seq) continue;
     const __m256 inv = _mm256_set1_ps(1.f / w.row_sum[r]);
@@ -458,38 +469,64 @@ void attend_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, const
   }
 }
 
-// last: nullptr (causal) or [batch, seq] positions (chunk_attention).
 template <typename T>
-void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           float scale, at::Tensor& out, const Shape& s,
-                           const int64_t* last = nullptr) {
+void attend_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, const float* kp,
+                  const float* vp, const Shape& s, int64_t start, const int64_t* last,
+                  float scale, T* out, int64_t out_pos_stride, Scratch<float>& w) {
+  const int64_t rows = s.group() * kQueryBlock;
+  const int64_t end = begin_block(q, q_pos_stride, q_head_stride, s, start, last, w);
+  for (int64_t c = 0; c < end; c += kChunk) {
+    const int64_t width = round_up(std::min(kChunk, end - c), kNR);
+    for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+      const int n = static_cast<int>(std::min<int64_t>(kMR, rows - r0));
+      block_scores(w.q.data(), kp, s, c, width, w.scores.data(), r0, n);
+      for (int64_t r = r0; r < r0 + n; ++r) softmax_row(s, last, start, r, c, width, scale, w);
+      block_values(w.probs.data(), vp, s, c, width, w.acc.data(), r0, n);
+    }
+  }
+  end_block(s, start, w, out, out_pos_stride);
+}
+
+// Both variants' driver: K and V of each (batch, KV head) packed once by `pack` into P panels,
+// then `attend` over every query block, the longest first. last: nullptr (causal) or the
+// queries' [batch, seq] positions (chunk_attention).
+template <typename P, typename Q, typename T, typename Pack, typename Attend>
+void run_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
+                at::Tensor& out, const Shape& s, const int64_t* last, Pack pack, Attend attend) {
   const T* qd = q.data_ptr<T>();
   const T* kd = k.data_ptr<T>();
   const T* vd = v.data_ptr<T>();
   T* od = out.data_ptr<T>();
   const int64_t pairs = s.batch * s.kv_heads, panel_elems = s.seq_pad * s.dim;
-  std::vector<float> wide(2 * pairs * panel_elems);  // every element is written by widen_kv
-  float* kwide = wide.data();
-  float* vwide = kwide + pairs * panel_elems;
+  std::vector<P> packed(2 * pairs * panel_elems);  // `pack` writes every element
+  P* kp = packed.data();
+  P* vp = kp + pairs * panel_elems;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / s.kv_heads, g = i % s.kv_heads;
-      widen_kv(kd + b * k.stride(0) + g * k.stride(1), vd + b * v.stride(0) + g * v.stride(1),
-               k.stride(2), v.stride(2), s, kwide + i * panel_elems, vwide + i * panel_elems);
+      pack(kd + b * k.stride(0) + g * k.stride(1), vd + b * v.stride(0) + g * v.stride(1),
+           k.stride(2), v.stride(2), s, kp + i * panel_elems, vp + i * panel_elems);
     }
   });
   const int64_t blocks = (s.seq + kQueryBlock - 1) / kQueryBlock;
   at::parallel_for(0, pairs * blocks, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(s.group() * kQueryBlock, s.dim);
+    Scratch<Q> scratch(s.group() * kQueryBlock, s.dim);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t pair = i % pairs, block = blocks - 1 - i / pairs;  // longest blocks first
       const int64_t b = pair / s.kv_heads, g = pair % s.kv_heads;
-      attend_block(qd + b * q.stride(0) + g * s.group() * q.stride(1), q.stride(2), q.stride(1),
-                   kwide + pair * panel_elems, vwide + pair * panel_elems, s,
-                   block * kQueryBlock, last == nullptr ? nullptr : last + b * s.seq, scale,
-                   od + b * out.stride(0) + g * s.group() * s.dim, out.stride(1), scratch);
+      attend(qd + b * q.stride(0) + g * s.group() * q.stride(1), q.stride(2), q.stride(1),
+             kp + pair * panel_elems, vp + pair * panel_elems, s, block * kQueryBlock,
+             last == nullptr ? nullptr : last + b * s.seq, scale,
+             od + b * out.stride(0) + g * s.group() * s.dim, out.stride(1), scratch);
     }
   });
+}
+
+template <typename T>
+void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           float scale, at::Tensor& out, const Shape& s,
+                           const int64_t* last = nullptr) {
+  run_blocks<float, float, T>(q, k, v, scale, out, s, last, widen_kv<T>, attend_block<T>);
 }
 
 #if defined(__AVX512BF16__)
@@ -555,31 +592,11 @@ void pack_kv_pairs(const BF16* k, const BF16* v, int64_t k_pos_stride, int64_t v
   }
 }
 
-struct DotScratch {
-  explicit DotScratch(int64_t rows, int64_t dim)
-      : q(rows * dim), probs(rows * kLd), scores(rows * kLd), p32(rows * kLd), acc(rows * dim),
-        row_max(rows), row_sum(rows) {}
-  std::vector<BF16> q, probs;
-  std::vector<float> scores, p32, acc, row_max, row_sum;
-};
-
 void attend_block_dot(const BF16* q, int64_t q_pos_stride, int64_t q_head_stride, const BF16* kb,
                       const BF16* vb, const Shape& s, int64_t start, const int64_t* last,
-                      float scale, BF16* out, int64_t out_pos_stride, DotScratch& w) {
+                      float scale, BF16* out, int64_t out_pos_stride, Scratch<BF16>& w) {
   const int64_t rows = s.group() * kQueryBlock, half = s.dim / 2;
-  for (int64_t h = 0; h < s.group(); ++h)
-    for (int64_t i = 0; i < kQueryBlock; ++i) {
-      BF16* dst = w.q.data() + (h * kQueryBlock + i) * s.dim;
-      const int64_t pos = start + i;
-      for (int64_t d = 0; d < s.dim; ++d)
-        dst[d] = pos < s.seq ? q[h * q_head_stride + pos * q_pos_stride + d] : BF16(0.f);
-    }
-  std::fill(w.acc.begin(), w.acc.end(), 0.f);
-  std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<float>::infinity());
-  std::fill(w.row_sum.begin(), w.row_sum.end(), 0.f);
-  int64_t end = 0;
-  for (int64_t pos = start; pos < std::min(start + kQueryBlock, s.seq); ++pos)
-    end = std::max(end, key_limit(s, last, pos));
+  const int64_t end = begin_block(q, q_pos_stride, q_head_stride, s, start, last, w);
   float t[kDotRows * kNR];
   for (int64_t c = 0; c < end; c += kChunk) {
     const int64_t width = round_up(std::min(kChunk, end - c), kNR);
@@ -592,25 +609,15 @@ void attend_block_dot(const BF16* q, int64_t q_pos_stride, int64_t q_head_stride
           std::copy(t + r * kNR, t + (r + 1) * kNR, w.scores.data() + (r0 + r) * kLd + p * kNR);
       }
       for (int64_t r = r0; r < r0 + n; ++r) {
-        const int64_t pos = start + r % kQueryBlock;
-        const int64_t keys = std::min(key_limit(s, last, pos) - c, width);
-        float* p32 = w.p32.data() + r * kLd;
-        if (keys <= 0) {
-          std::fill(p32, p32 + width, 0.f);
-        } else {
-          const float shrink = softmax_step(w.scores.data() + r * kLd, keys, width, scale,
-                                            w.row_max[r], w.row_sum[r], p32);
-          if (shrink != 1.f)
-            for (int64_t d = 0; d < s.dim; ++d) w.acc[r * s.dim + d] *= shrink;
-        }
-        BF16* p16 = w.probs.data() + r * kLd;
-        for (int64_t j = 0; j < width; j += kNR)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + j),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p32 + j)));
+        softmax_row(s, last, start, r, c, width, scale, w);
+        for (int64_t j = 0; j < width; j += kNR)  // rounded to bf16 for the P.V product
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.probs16.data() + r * kLd + j),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(
+                                  w.probs.data() + r * kLd + j)));
       }
       for (int64_t d = 0; d < s.dim / kNR; ++d) {
-        dot_tile(n, w.probs.data() + r0 * kLd, kLd, vb + (d * (s.seq_pad / 2) + c / 2) * 2 * kNR,
-                 width / 2, t);
+        dot_tile(n, w.probs16.data() + r0 * kLd, kLd,
+                 vb + (d * (s.seq_pad / 2) + c / 2) * 2 * kNR, width / 2, t);
         for (int r = 0; r < n; ++r) {
           float* a = w.acc.data() + (r0 + r) * s.dim + d * kNR;
           _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(t + r * kNR)));
@@ -618,46 +625,13 @@ void attend_block_dot(const BF16* q, int64_t q_pos_stride, int64_t q_head_stride
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t pos = start + r % kQueryBlock;
-    if (pos >= s.seq) continue;
-    const __m256 inv = _mm256_set1_ps(1.f / w.row_sum[r]);
-    BF16* o = out + pos * out_pos_stride + (r / kQueryBlock) * s.dim;
-    for (int64_t d = 0; d < s.dim; d += 8)
-      store8(o + d, _mm256_mul_ps(_mm256_loadu_ps(w.acc.data() + r * s.dim + d), inv));
-  }
+  end_block(s, start, w, out, out_pos_stride);
 }
 
 // causal_attention_impl on bf16 dot products (last as there).
 void attention_dot(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale,
                    at::Tensor& out, const Shape& s, const int64_t* last = nullptr) {
-  const BF16* qd = q.data_ptr<BF16>();
-  const BF16* kd = k.data_ptr<BF16>();
-  const BF16* vd = v.data_ptr<BF16>();
-  BF16* od = out.data_ptr<BF16>();
-  const int64_t pairs = s.batch * s.kv_heads, panel_elems = s.seq_pad * s.dim;
-  std::vector<BF16> packed(2 * pairs * panel_elems);  // every element is written by pack_kv_pairs
-  BF16* kb = packed.data();
-  BF16* vb = kb + pairs * panel_elems;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / s.kv_heads, g = i % s.kv_heads;
-      pack_kv_pairs(kd + b * k.stride(0) + g * k.stride(1), vd + b * v.stride(0) + g * v.stride(1),
-                    k.stride(2), v.stride(2), s, kb + i * panel_elems, vb + i * panel_elems);
-    }
-  });
-  const int64_t blocks = (s.seq + kQueryBlock - 1) / kQueryBlock;
-  at::parallel_for(0, pairs * blocks, 1, [&](int64_t begin, int64_t end) {
-    DotScratch scratch(s.group() * kQueryBlock, s.dim);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t pair = i % pairs, block = blocks - 1 - i / pairs;  // longest blocks first
-      const int64_t b = pair / s.kv_heads, g = pair % s.kv_heads;
-      attend_block_dot(qd + b * q.stride(0) + g * s.group() * q.stride(1), q.stride(2),
-                       q.stride(1), kb + pair * panel_elems, vb + pair * panel_elems, s,
-                       block * kQueryBlock, last == nullptr ? nullptr : last + b * s.seq, scale,
-                       od + b * out.stride(0) + g * s.group() * s.dim, out.stride(1), scratch);
-    }
-  });
+  run_blocks<BF16, BF16, BF16>(q, k, v, scale, out, s, last, pack_kv_pairs, attend_block_dot);
 }
 #endif  // __AVX512BF16__
 
