@@ -108,6 +108,20 @@ def test_reads_only_each_rows_own_positions(op, dtype, dim, block_size, queries)
     assert (out.float() - ref.float()).abs().max() <= (2e-6 if dtype == torch.float32 else 2e-2)
 
 
+def test_bf16_runs_on_bf16_dot_products_where_the_cpu_has_them(op):
+    """On AVX512-BF16 CPUs a bf16 query and cache with a head size of 32, 64, 96 or 128 are
+    multiplied on vdpbf16ps, which flushes subnormal inputs to zero: values of 2^-130 average to
+    0 there and to 2^-130 on the float32 path (head size 48 here, and any other CPU). The
+    closeness and NaN tests above hold for both paths."""
+    dot_products = "avx512_bf16" in kernels.cpu_flags()
+    for dim, dot in ((64, dot_products), (128, dot_products), (48, False)):
+        q, k, v, table, pos = case(4, torch.bfloat16, heads=9, kv_heads=3, dim=dim, block_size=16,
+                                   width=4, positions=(0, 17, 40, 63))
+        v = torch.full_like(v, 2.0 ** -130)  # subnormal in bf16 and float32
+        out = op(q, k, v, table, pos, 0.125).float()
+        assert not out.any() if dot else bool((out > 0).all()), dim
+
+
 @pytest.mark.parametrize("dim", [24, 64])
 def test_two_threads_equal_one(op, dim):
     q, k, v, table, pos = case(3, torch.bfloat16, dim=dim)

@@ -19,7 +19,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -30,16 +32,37 @@ struct Shapes {
   int64_t batch, heads, queries, dim, kv_heads, block_size, num_blocks, table_width;
 };
 
-// The arithmetic, as `Ops`: a head_dim-long float32 Row (a query, an accumulator) with load(src,
-// row), zero(row) and store(row, float*); widen(src, stride, count, tile): up to 16 K or V rows of
-// the cache into a float32 tile; scores_tile (a query's scaled dot products with a tile's rows);
-// accumulate_tile (a tile's rows weighted by probabilities, into an accumulator); and softmax of
-// a score array in place (returning 1 / the sum). Portable C++ for any head_dim; AVX-512 for
-// head_dim = 16 * NV; AVX2 (without AVX-512) for head_dim = 8 * NV.
+// The arithmetic, as `Ops`: a Query and an Acc(umulator) with load(src, query), zero(acc) and
+// store(acc, float*); widen_k / widen_v(src, stride, count, tile): up to 16 K or V rows of the
+// cache into a tile of Elem; scores_tile (a query's scaled dot products with a K tile's rows);
+// probs (the softmax of a score array, as Prob, returning 1 / the sum); accumulate_tile (a V
+// tile's rows weighted by probabilities, into an accumulator). float32 (FloatTiles): portable
+// C++ for any head_dim, AVX-512 for head_dim = 16 * NV, AVX2 (without AVX-512) for 8 * NV; and
+// bf16 dot products (Bf16DotOps) for bf16 queries and cache where the CPU has AVX512-BF16.
 constexpr int64_t kMaxPortableDim = 512;
 
-struct PortableOps {
+// The float32 Ops' side of attend_heads' interface: queries and accumulators are both Rows, K and
+// V tiles alike widened to float32, and the probabilities float32, in the scores' own array.
+template <typename Self>
+struct FloatTiles {
+  using Prob = float;
+  using Elem = float;
+  static constexpr bool kProbsInPlace = true;
+  template <typename T> void widen_k(const T* src, int64_t stride, int64_t count, float* dst) const {
+    static_cast<const Self*>(this)->widen(src, stride, count, dst);
+  }
+  template <typename T> void widen_v(const T* src, int64_t stride, int64_t count, float* dst) const {
+    static_cast<const Self*>(this)->widen(src, stride, count, dst);
+  }
+  float probs(float* sc, int64_t len, float* /*p: sc itself*/, int64_t /*width*/) const {
+    return static_cast<const Self*>(this)->softmax(sc, len);
+  }
+};
+
+struct PortableOps : FloatTiles<PortableOps> {
   struct Row { float v[kMaxPortableDim]; };
+  using Query = Row;
+  using Acc = Row;
   int64_t d;
   template <typename T> void load(const T* src, Row& r) const {
     for (int64_t i = 0; i < d; ++i) r.v[i] = to_float(src[i]);
@@ -73,9 +96,29 @@ struct PortableOps {
 };
 
 #if defined(__AVX512F__)
+// Lane i of the result: the sum of a[i]'s 16 lanes (one transposing reduction for 16 rows).
+inline __m512 sum_lanes16(const __m512 (&a)[16]) {
+  __m512 b[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0 even, a1 even, a0 odd, a1 odd] sums
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum for 4 rows
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // lanes 0+1 and 2+3 of two rows-of-4 each
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88),
+                       _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
+}
+
 template <int NV>
-struct Avx512Ops {
+struct Avx512Ops : FloatTiles<Avx512Ops<NV>> {
   struct alignas(64) Row { __m512 v[NV]; };
+  using Query = Row;
+  using Acc = Row;
   template <typename T> void load(const T* src, Row& r) const {
     for (int j = 0; j < NV; ++j) r.v[j] = load16(src + 16 * j);
   }
@@ -95,21 +138,7 @@ struct Avx512Ops {
     if (count == 16) {  // 16 dot products' lanes summed together: one transposing reduction
       __m512 a[16];
       for (int o = 0; o < 16; ++o) a[o] = dot_row(o);
-      __m512 b[8], c[4], e[2];
-      for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0 even, a1 even, a0 odd, a1 odd] sums
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-      for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum for 4 rows
-        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-      }
-      for (int i = 0; i < 2; ++i)  // lanes 0+1 and 2+3 of two rows-of-4 each
-        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-      const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88),
-                                     _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
-      _mm512_storeu_ps(sc, _mm512_mul_ps(r, _mm512_set1_ps(scale)));
+      _mm512_storeu_ps(sc, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
       return;
     }
     for (int64_t o = 0; o < count; ++o) sc[o] = _mm512_reduce_add_ps(dot_row(o)) * scale;
@@ -163,6 +192,108 @@ struct Avx512Ops {
 };
 #endif
 
+#if defined(__AVX512BF16__)
+// bf16 queries and cache where the CPU has AVX512-BF16 (AMD Zen 4), head_dim = 32 * NZ: the
+// products on vdpbf16ps (two bf16 products summed into a float32 lane) straight from the cache's
+// rows, instead of widening every row to float32 and multiplying there. Scores: a query row's
+// bf16 pairs against a key row's (exact products, float32 sums). Values: two positions' rows
+// interleaved (unpack{lo,hi}_epi16, so lane pairs are (v[t][d], v[t+1][d])) against the pair of
+// their probabilities, which are rounded to bf16 for it; the accumulator's lanes then hold the
+// dims in unpack order, put back in store(). Subnormal inputs are flushed to zero (vdpbf16ps'
+// DAZ), the one visible difference from the float32 path (tests tell the paths apart by it).
+template <int NZ>
+struct Bf16DotOps {
+  using BF16 = c10::BFloat16;
+  using Prob = BF16;
+  using Elem = BF16;
+  static constexpr bool kProbsInPlace = false;
+  struct alignas(64) Query { __m512i v[NZ]; };
+  struct alignas(64) Acc { __m512 v[2 * NZ]; };  // [2z]: unpacklo's dims of 32z.., [2z + 1]: unpackhi's
+  static __m512i row(const BF16* p) { return _mm512_loadu_si512(p); }
+  void load(const BF16* src, Query& r) const {
+    for (int z = 0; z < NZ; ++z) r.v[z] = row(src + 32 * z);
+  }
+  void zero(Acc& a) const { for (int j = 0; j < 2 * NZ; ++j) a.v[j] = _mm512_setzero_ps(); }
+  // K rows as they are, d apart.
+  void widen_k(const BF16* src, int64_t stride, int64_t count, BF16* dst) const {
+    for (int64_t o = 0; o < count; ++o)
+      for (int z = 0; z < NZ; ++z) _mm512_store_si512(dst + (o * NZ + z) * 32, row(src + o * stride + 32 * z));
+  }
+  // V rows 2i and 2i + 1 interleaved: pair i's 2 * NZ vectors (a zero row after an odd count's last).
+  void widen_v(const BF16* src, int64_t stride, int64_t count, BF16* dst) const {
+    for (int64_t i = 0; 2 * i < count; ++i) {
+      const BF16* r0 = src + 2 * i * stride;
+      const bool pair = 2 * i + 1 < count;
+      for (int z = 0; z < NZ; ++z) {
+        const __m512i a = row(r0 + 32 * z);
+        const __m512i b = pair ? row(r0 + stride + 32 * z) : _mm512_setzero_si512();
+        _mm512_store_si512(dst + ((i * NZ + z) * 2) * 32, _mm512_unpacklo_epi16(a, b));
+        _mm512_store_si512(dst + ((i * NZ + z) * 2 + 1) * 32, _mm512_unpackhi_epi16(a, b));
+      }
+    }
+  }
+  void scores_tile(const BF16* tile, int64_t count, const Query& q, float scale, float* sc) const {
+    auto dot_row = [&](int64_t o) {
+      __m512 a = _mm512_setzero_ps();
+      for (int z = 0; z < NZ; ++z)
+        a = _mm512_dpbf16_ps(a, (__m512bh)q.v[z], (__m512bh)_mm512_load_si512(tile + (o * NZ + z) * 32));
+      return a;
+    };
+    if (count == 16) {
+      __m512 a[16];
+      for (int o = 0; o < 16; ++o) a[o] = dot_row(o);
+      _mm512_storeu_ps(sc, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
+      return;
+    }
+    for (int64_t o = 0; o < count; ++o) sc[o] = _mm512_reduce_add_ps(dot_row(o)) * scale;
+  }
+  // The softmax of sc[0, len) as bf16 in p[0, len), zeros in p[len, width); returns 1 / the sum.
+  float probs(float* sc, int64_t len, BF16* p, int64_t width) const {
+    const float inv = Avx512Ops<1>{}.softmax(sc, len);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sc + t)));
+    for (; t < len; ++t) p[t] = BF16(sc[t]);
+    std::fill(p + len, p + width, BF16(0.f));
+    return inv;
+  }
+  // acc += p[t] * v[t] for t < count (pairs: p[count] is zero or count is even).
+  void accumulate_tile(const BF16* tile, int64_t count, const BF16* p, Acc& acc) const {
+    __m512 a[2 * NZ], e[2 * NZ];  // even and odd pairs: twice the independent chains
+    for (int j = 0; j < 2 * NZ; ++j) a[j] = acc.v[j], e[j] = _mm512_setzero_ps();
+    auto pair_of = [&](int64_t i) {
+      int32_t w;
+      std::memcpy(&w, p + 2 * i, sizeof(w));
+      return (__m512bh)_mm512_set1_epi32(w);
+    };
+    const int64_t pairs = (count + 1) / 2;
+    int64_t i = 0;
+    for (; i + 2 <= pairs; i += 2) {
+      const __m512bh w0 = pair_of(i), w1 = pair_of(i + 1);
+      for (int j = 0; j < 2 * NZ; ++j) {
+        a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_load_si512(tile + (i * 2 * NZ + j) * 32), w0);
+        e[j] = _mm512_dpbf16_ps(e[j], (__m512bh)_mm512_load_si512(tile + ((i + 1) * 2 * NZ + j) * 32), w1);
+      }
+    }
+    if (i < pairs) {
+      const __m512bh w0 = pair_of(i);
+      for (int j = 0; j < 2 * NZ; ++j)
+        a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_load_si512(tile + (i * 2 * NZ + j) * 32), w0);
+    }
+    for (int j = 0; j < 2 * NZ; ++j) acc.v[j] = _mm512_add_ps(a[j], e[j]);
+  }
+  // unpack{lo,hi}_epi16 order back to dims: lane l of [2z + h] is dim 32z + 8 (l / 4) + 4h + l % 4.
+  void store(const Acc& acc, float* out) const {
+    alignas(64) float lanes[16];
+    for (int z = 0; z < NZ; ++z)
+      for (int h = 0; h < 2; ++h) {
+        _mm512_store_ps(lanes, acc.v[2 * z + h]);
+        for (int l = 0; l < 16; ++l) out[32 * z + 8 * (l / 4) + 4 * h + l % 4] = lanes[l];
+      }
+  }
+};
+#endif
+
 // Row b, KV heads [hk0, hk1) (their query heads are contiguous, h = hk * group + g): per token,
 // each KV head's K (then V) row is loaded once for all of its query heads and positions. With all
 // KV heads of a row in one task its blocks are read front to back. Block ids and positions are
@@ -171,13 +302,15 @@ template <typename Ops, typename q_t, typename kv_t>
 void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc, const kv_t* vc,
                   const int64_t* table, const int64_t* pos, float scale, q_t* out, int64_t b,
                   int64_t hk0, int64_t hk1) {
-  using Row = typename Ops::Row;
+  using Prob = typename Ops::Prob;
+  using Elem = typename Ops::Elem;
   const int64_t d = s.dim, group = s.heads / s.kv_heads;
   const int64_t per_kv = group * s.queries, nq = (hk1 - hk0) * per_kv;
   const int64_t token_stride = s.kv_heads * d, limit = s.table_width * s.block_size;
   // Query qi = (h - h0) * queries + i: contiguous in q and out from row b, head h0.
   const int64_t first_row = (b * s.heads + hk0 * group) * s.queries;
-  std::vector<Row> qv(nq), acc(nq);
+  std::vector<typename Ops::Query> qv(nq);
+  std::vector<typename Ops::Acc> acc(nq);
   std::vector<int64_t> last(nq);
   int64_t n = 0;
   for (int64_t qi = 0; qi < nq; ++qi) {
@@ -189,59 +322,70 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
     n = std::max(n, last[qi] + 1);
   }
   // Block by block, the next block prefetched; in a block, each KV head's rows 16 at a time are
-  // widened to float32 once for all of its queries. Scores past a query's own position are
+  // made a tile once for all of its queries (widened to float32, or, on the bf16 dot products, K
+  // as it is and V in interleaved pairs). Scores past a query's own position are
   // computed but never read; values are accumulated only up to each query's own position (past it
   // the cache may hold anything).
   constexpr int64_t kTile = 16;
   // visit(first, count, base, next): the block of positions first.., its count positions at
   // base, and the next block's base (nullptr after the last) to prefetch from.
   auto for_each_block = [&](const kv_t* cache, auto&& visit) {
+    auto at = [&](int64_t i) {
+      const int64_t block = table[b * s.table_width + i];
+      TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_decode_attention: block ids must "
+                  "lie in the cache's 0..", s.num_blocks - 1, ", got ", block);
+      return cache + block * s.block_size * token_stride;
+    };
     for (int64_t first = 0, i = 0; first < n; first += s.block_size, ++i) {
-      const kv_t* at_block[2] = {nullptr, nullptr};
-      for (int64_t j = 0; j < 2 && first + j * s.block_size < n; ++j) {
-        const int64_t block = table[b * s.table_width + i + j];
-        TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_decode_attention: block ids must "
-                    "lie in the cache's 0..", s.num_blocks - 1, ", got ", block);
-        at_block[j] = cache + block * s.block_size * token_stride;
-      }
-      visit(first, std::min(s.block_size, n - first), at_block[0], at_block[1]);
+      visit(first, std::min(s.block_size, n - first), at(i),
+            first + s.block_size < n ? at(i + 1) : nullptr);
     }
   };
-  // Head hk's rows t0..t0+m of the next block, into the cache ahead of their use.
+  // Head hk's rows t0..t0+m of the next block, into L2 ahead of their use. prefetcht1, not t0:
+  // on AMD Zen 4 (one thread, 8 rows of 1792 positions, 30 layers' caches) t0 prefetches held
+  // the kernel to 7.4 GB/s from DRAM, t1 doubles it (14.7), a block or two ahead alike.
   auto prefetch = [&](const kv_t* next, int64_t hk, int64_t t0, int64_t m) {
     if (next == nullptr) return;
     const int64_t row_bytes = d * static_cast<int64_t>(sizeof(kv_t));
     for (int64_t o = t0; o < t0 + m; ++o) {
       const char* p = reinterpret_cast<const char*>(next + o * token_stride + hk * d);
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
     }
   };
   // The tile is 64-byte aligned: unaligned vector stores and reloads of it cost a third more.
   std::vector<float> scores(nq * n), tile_store(kTile * d + 16);
-  float* const tile_p = tile_store.data() +
-      (16 - reinterpret_cast<uintptr_t>(tile_store.data()) / sizeof(float) % 16) % 16;
+  Elem* const tile_p = reinterpret_cast<Elem*>(tile_store.data() +
+      (16 - reinterpret_cast<uintptr_t>(tile_store.data()) / sizeof(float) % 16) % 16);
+  // Probabilities: in the scores' array, or (bf16) in their own, a query's row zero past its
+  // position so that a pair read one past a query's last position reads a zero.
+  const int64_t pn = Ops::kProbsInPlace ? n : n + 2;
+  std::vector<Prob> prob_store(Ops::kProbsInPlace ? 0 : nq * pn);
+  Prob* const probs = Ops::kProbsInPlace ? reinterpret_cast<Prob*>(scores.data()) : prob_store.data();
   // use(hk, pos, m): the tile holds KV head hk's rows for positions pos..pos+m-1.
-  auto for_each_tile = [&](const kv_t* cache, auto&& use) {
+  auto for_each_tile = [&](const kv_t* cache, auto&& widen, auto&& use) {
     for_each_block(cache, [&](int64_t first, int64_t count, const kv_t* base, const kv_t* next) {
       for (int64_t hk = hk0; hk < hk1; ++hk)
         for (int64_t t0 = 0; t0 < count; t0 += kTile) {
           const int64_t m = std::min(kTile, count - t0);
           prefetch(next, hk, t0, m);
-          ops.widen(base + t0 * token_stride + hk * d, token_stride, m, tile_p);
+          widen(base + t0 * token_stride + hk * d, token_stride, m, tile_p);
           use(hk, first + t0, m);
         }
     });
   };
-  for_each_tile(kc, [&](int64_t hk, int64_t pos, int64_t m) {
+  auto widen_k = [&](auto... a) { ops.widen_k(a...); };
+  auto widen_v = [&](auto... a) { ops.widen_v(a...); };
+  for_each_tile(kc, widen_k, [&](int64_t hk, int64_t pos, int64_t m) {
     for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
       ops.scores_tile(tile_p, m, qv[qi], scale, scores.data() + qi * n + pos);
   });
   std::vector<float> inv_sum(nq);
-  for (int64_t qi = 0; qi < nq; ++qi) inv_sum[qi] = ops.softmax(scores.data() + qi * n, last[qi] + 1);
-  for_each_tile(vc, [&](int64_t hk, int64_t pos, int64_t m) {
+  for (int64_t qi = 0; qi < nq; ++qi)
+    inv_sum[qi] = ops.probs(scores.data() + qi * n, last[qi] + 1, probs + qi * pn, pn);
+  for_each_tile(vc, widen_v, [&](int64_t hk, int64_t pos, int64_t m) {
     for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
       const int64_t use = std::min(m, last[qi] + 1 - pos);
-      if (use > 0) ops.accumulate_tile(tile_p, use, scores.data() + qi * n + pos, acc[qi]);
+      if (use > 0) ops.accumulate_tile(tile_p, use, probs + qi * pn + pos, acc[qi]);
     }
   });
   std::vector<float> tmp(d);
@@ -255,8 +399,10 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // Avx512Ops' algorithm 8 floats at a time, for head_dim = 8 * NV on CPUs without AVX-512.
 template <int NV>
-struct Avx2Ops {
+struct Avx2Ops : FloatTiles<Avx2Ops<NV>> {
   struct alignas(32) Row { __m256 v[NV]; };
+  using Query = Row;
+  using Acc = Row;
   template <typename T> void load(const T* src, Row& r) const {
     for (int j = 0; j < NV; ++j) r.v[j] = load8(src + 8 * j);
   }
@@ -332,32 +478,43 @@ struct Avx2Ops {
 #endif
 
 // attend_heads with the fastest Ops for this head_dim.
-template <typename... Args>
-void attend_heads_any(const Shapes& s, Args... args) {
+template <typename q_t, typename kv_t, typename... Args>
+void attend_heads_any(const Shapes& s, const q_t* q, const kv_t* k, const kv_t* v, Args... args) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {
+    switch (s.dim) {
+      case 32: return attend_heads(Bf16DotOps<1>{}, s, q, k, v, args...);
+      case 64: return attend_heads(Bf16DotOps<2>{}, s, q, k, v, args...);
+      case 96: return attend_heads(Bf16DotOps<3>{}, s, q, k, v, args...);
+      case 128: return attend_heads(Bf16DotOps<4>{}, s, q, k, v, args...);
+      default: break;
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   switch (s.dim) {
-    case 16: return attend_heads(Avx512Ops<1>{}, s, args...);
-    case 32: return attend_heads(Avx512Ops<2>{}, s, args...);
-    case 48: return attend_heads(Avx512Ops<3>{}, s, args...);
-    case 64: return attend_heads(Avx512Ops<4>{}, s, args...);
-    case 80: return attend_heads(Avx512Ops<5>{}, s, args...);
-    case 96: return attend_heads(Avx512Ops<6>{}, s, args...);
-    case 128: return attend_heads(Avx512Ops<8>{}, s, args...);
+    case 16: return attend_heads(Avx512Ops<1>{}, s, q, k, v, args...);
+    case 32: return attend_heads(Avx512Ops<2>{}, s, q, k, v, args...);
+    case 48: return attend_heads(Avx512Ops<3>{}, s, q, k, v, args...);
+    case 64: return attend_heads(Avx512Ops<4>{}, s, q, k, v, args...);
+    case 80: return attend_heads(Avx512Ops<5>{}, s, q, k, v, args...);
+    case 96: return attend_heads(Avx512Ops<6>{}, s, q, k, v, args...);
+    case 128: return attend_heads(Avx512Ops<8>{}, s, q, k, v, args...);
     default: break;
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   switch (s.dim) {
-    case 16: return attend_heads(Avx2Ops<2>{}, s, args...);
-    case 32: return attend_heads(Avx2Ops<4>{}, s, args...);
-    case 48: return attend_heads(Avx2Ops<6>{}, s, args...);
-    case 64: return attend_heads(Avx2Ops<8>{}, s, args...);
-    case 80: return attend_heads(Avx2Ops<10>{}, s, args...);
-    case 96: return attend_heads(Avx2Ops<12>{}, s, args...);
-    case 128: return attend_heads(Avx2Ops<16>{}, s, args...);
+    case 16: return attend_heads(Avx2Ops<2>{}, s, q, k, v, args...);
+    case 32: return attend_heads(Avx2Ops<4>{}, s, q, k, v, args...);
+    case 48: return attend_heads(Avx2Ops<6>{}, s, q, k, v, args...);
+    case 64: return attend_heads(Avx2Ops<8>{}, s, q, k, v, args...);
+    case 80: return attend_heads(Avx2Ops<10>{}, s, q, k, v, args...);
+    case 96: return attend_heads(Avx2Ops<12>{}, s, q, k, v, args...);
+    case 128: return attend_heads(Avx2Ops<16>{}, s, q, k, v, args...);
     default: break;
   }
 #endif
-  attend_heads(PortableOps{s.dim}, s, args...);
+  attend_heads(PortableOps{{}, s.dim}, s, q, k, v, args...);
 }
 
 template <typename q_t, typename kv_t>
