@@ -166,6 +166,12 @@ struct PanelPairs {
 // value that meets an odd K's zero row is zero too); c[q] starts at c + q * kDotMR * 16. Each
 // broadcast (x[k], x[k+1]) pair serves NP panels. With few sums in flight the k pairs alternate
 // between two sets of them, so the dot products' latency overlaps.
+// Read from memory (a decode batch's tiles), each panel's line kPrefetchBytes ahead is
+// prefetched into L2 (prefetcht1; past a panel's end that is the next panel's, which comes next).
+// AMD Zen 4, the 121 products of a decode step, one thread: 1 row 17.9 -> 14.5-15.6 ms, 8 rows
+// 21.3 -> 17.5-18.8 (2 KB ahead: no gain; 8 KB: less; prefetcht0: less). Two threads: 5-10%.
+constexpr int64_t kPrefetchBytes = 4096;
+
 template <int MR, int NP>
 void dot_tile(const c10::BFloat16* x, int64_t ldx, const PanelPairs* w_at, int64_t K, float* c) {
   constexpr int kChains = MR * NP <= 3 ? 2 : 1;
@@ -176,7 +182,13 @@ void dot_tile(const c10::BFloat16* x, int64_t ldx, const PanelPairs* w_at, int64
       for (int q = 0; q < NP; ++q) acc[h][r][q] = _mm512_setzero_ps();
   const int64_t full = K / 2;  // pairs with both x values in the row
   int64_t i = 0;
+  const bool from_memory = w_at[0].pairs == nullptr;
   for (; i + kChains <= full; i += kChains) {
+    if (from_memory)  // a pair of panel rows is one 64-byte line
+      for (int q = 0; q < NP; ++q)
+        for (int h = 0; h < kChains; ++h)
+          __builtin_prefetch(reinterpret_cast<const char*>(w_at[q].panel + 2 * (i + h) * kNR) +
+                             kPrefetchBytes, 0, 2);
 #pragma GCC unroll 2
     for (int h = 0; h < kChains; ++h) {
       __m512bh w[NP];
