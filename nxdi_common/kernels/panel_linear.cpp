@@ -168,8 +168,9 @@ struct PanelPairs {
 // between two sets of them, so the dot products' latency overlaps.
 // Read from memory (a decode batch's tiles), each panel's line kPrefetchBytes ahead is
 // prefetched into L2 (prefetcht1; past a panel's end that is the next panel's, which comes next).
-// AMD Zen 4, the 121 products of a decode step, one thread: 1 row 17.9 -> 14.5-15.6 ms, 8 rows
-// 21.3 -> 17.5-18.8 (2 KB ahead: no gain; 8 KB: less; prefetcht0: less). Two threads: 5-10%.
+// AMD Zen 4, the 121 products of a decode step, one thread (bench_projections.py, two runs each
+// way): 8 rows 18.8-19.2 -> 15.6-16.0 ms, 16 rows 30.6-32.4 -> 25.9-27.1; 1 row unchanged
+// (13.8-14.7). In a sweep of distances 2 KB gained less and 8-16 KB less again; prefetcht0 less.
 constexpr int64_t kPrefetchBytes = 4096;
 
 template <int MR, int NP>
