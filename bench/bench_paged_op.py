@@ -1,0 +1,60 @@
+"""torch.ops.nxdi.paged_decode_attention alone, as one decode step runs it: 30 layers' block
+caches (the bundled model's 9 query and 3 KV heads of 64, bf16, 16-token blocks), each row's
+blocks in a random order, every row attending over --length positions. Each layer has its own
+cache, so the step reads the cache from memory as a decode worker's does (--warm: every layer
+reads layer 0's cache, which stays in the CPU's caches).
+
+    python bench/bench_paged_op.py [--threads 1] [--rows 8] [--length 1792] [--warm]
+
+Prints the median step time over 20 after 2 warm-up steps and the cache bytes read per second."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from nxdi_common.kernels import paged_attention
+
+HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--length", type=int, default=1792)
+    p.add_argument("--warm", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    op = paged_attention()
+    width = -(-args.length // BLOCK)
+    blocks = args.rows * width + 8
+    g = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=g).bfloat16(),
+               torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=g).bfloat16())
+              for _ in range(1 if args.warm else LAYERS)]
+    table = torch.randperm(blocks, generator=g)[:args.rows * width].view(args.rows, width)
+    pos = torch.full((args.rows, 1), args.length - 1)
+    q = torch.randn(args.rows, HEADS, 1, DIM, generator=g).bfloat16()
+
+    def step() -> float:
+        start = time.perf_counter()
+        for layer in range(LAYERS):
+            k, v = caches[layer % len(caches)]
+            op(q, k, v, table, pos, DIM ** -0.5)
+        return time.perf_counter() - start
+
+    for _ in range(2):
+        step()
+    seconds = statistics.median(step() for _ in range(20))
+    read = LAYERS * args.rows * args.length * KV_HEADS * DIM * 2 * 2  # K and V, bf16
+    print(f"threads {args.threads} rows {args.rows} length {args.length} "
+          f"{'warm' if args.warm else 'from memory'}: {seconds * 1e3:.1f} ms a step "
+          f"({LAYERS} layers), {read / seconds / 1e9:.1f} GB/s of cache")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
