@@ -7,9 +7,13 @@ blocks, and posts commands; the engine thread turns commands into batch changes 
 
 A local prefill runs in pieces of the model's prefill_chunk_size tokens (the first by context
 encoding, the rest by the chunked-prefill sub-model), one piece between two TKG steps, so a long
-prompt delays the running sequences' next token by one piece, not by its whole prefill. Of the
-waiting local prefills the one with the fewest prompt tokens left goes next (shortest remaining
-first: a short chat prompt does not wait behind the rest of a long one). Positions
+prompt delays the running sequences' next token by one piece, not by its whole prefill. Which
+waiting local prefill goes next: one whose rest fits in one piece goes before any longer one (a
+short chat prompt does not wait behind the rest of a long one), the one with the fewest tokens
+left first; longer ones go first come first served, the one begun first. Shortest remaining first
+among long prompts too let each newer, slightly shorter long prompt overtake a begun one (which
+could wait indefinitely behind a stream of them); in a burst of five long prompts (BENCHMARKS.md,
+session 14) their TTFTs were 2.2-6.1 s that way and 1.8-4.0 s this way. Positions
 already in the cache (a shared prefix) are not computed again. Without prefill_chunk_size the
 prompt is one context-encoding call.
 
@@ -146,7 +150,7 @@ class DecodeEngine:
             if self._stopping:
                 break
             if self._local:
-                seq = min(self._local, key=self._prefill_left)  # the first of the shortest
+                seq = self._next_local()
                 self._local.remove(seq)
                 self._guarded(self._prefill_piece, [seq], seq)
             batch = self.scheduler.next_batch()
@@ -202,6 +206,17 @@ class DecodeEngine:
             if seq.finished:
                 self.scheduler.remove(seq)
                 self.release(seq)
+
+    def _next_local(self) -> Sequence:
+        """The waiting local prefill to run next (module doc): of those whose rest fits in one
+        piece the first of the shortest, else the first in the queue (the begun one, then by
+        arrival). Without pieces, the first of the shortest."""
+        def key(item: tuple[int, Sequence]) -> tuple[bool, int]:
+            index, seq = item
+            left = self._prefill_left(seq)
+            long = self.chunk is not None and left > self.chunk
+            return long, index if long else left
+        return min(enumerate(self._local), key=key)[1]
 
     def _prefill_left(self, seq: Sequence) -> int:
         """Prompt tokens the sequence's local prefill has still to compute (its order key)."""
