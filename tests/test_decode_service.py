@@ -422,40 +422,36 @@ def test_a_chunked_prefill_lets_running_sequences_step(decode_chunked):
     assert window.count("run") >= pieces // 2, (window.count("run"), pieces)
 
 
+def first_token_order(server, sends) -> list[str]:
+    """Send (request id, prompt, delay s) each on its own stream; the ids in the order of their
+    first (only) token."""
+    async def all_of():
+        order = []
+
+        async def one(rid, ids, delay):
+            await asyncio.sleep(delay)
+            async with grpc.aio.insecure_channel(server.grpc) as channel:
+                async for _ in pb_grpc.DecodeStub(channel).Generate(request(rid, ids, 1)):
+                    order.append(rid)
+
+        await asyncio.gather(*(one(*send) for send in sends))
+        return order
+
+    return run(all_of())
+
+
 def test_a_begun_long_prefill_is_not_overtaken_by_a_shorter_long_one(decode_chunked):
     """First come first served among prompts longer than a piece: a 200-token prompt sent
     while a 480-token prompt is being prefilled waits for it, though it has fewer tokens left
     (shortest remaining first would run it first)."""
-    async def both():
-        order = []
-
-        async def one(rid, ids, delay):
-            await asyncio.sleep(delay)
-            async with grpc.aio.insecure_channel(decode_chunked.grpc) as channel:
-                async for _ in pb_grpc.DecodeStub(channel).Generate(request(rid, ids, 1)):
-                    order.append(rid)
-
-        await asyncio.gather(one("first", list(range(6000, 6480)), 0.0),
-                             one("second", list(range(7000, 7200)), 0.02))
-        return order
-
-    assert run(both()) == ["first", "second"]
+    assert first_token_order(decode_chunked, [("first", list(range(6000, 6480)), 0.0),
+                                              ("second", list(range(7000, 7200)), 0.02)]) \
+        == ["first", "second"]
 
 
 def test_a_short_local_prefill_goes_before_the_rest_of_a_long_one(decode_chunked):
-    """Shortest remaining first: a 10-token prompt sent while a 480-token prompt is being
-    prefilled (30 pieces) gets its first token before the long one does."""
-    async def both():
-        order = []
-
-        async def one(rid, ids, delay):
-            await asyncio.sleep(delay)
-            async with grpc.aio.insecure_channel(decode_chunked.grpc) as channel:
-                async for _ in pb_grpc.DecodeStub(channel).Generate(request(rid, ids, 1)):
-                    order.append(rid)
-
-        await asyncio.gather(one("long", list(range(4000, 4480)), 0.0),
-                             one("short", list(range(20, 30)), 0.02))
-        return order
-
-    assert run(both()) == ["short", "long"]
+    """A prompt that fits in one piece overtakes: a 10-token prompt sent while a 480-token
+    prompt is being prefilled (30 pieces) gets its first token before the long one does."""
+    assert first_token_order(decode_chunked, [("long", list(range(4000, 4480)), 0.0),
+                                              ("short", list(range(20, 30)), 0.02)]) \
+        == ["short", "long"]
