@@ -539,12 +539,6 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
 // P.V product, as torch's flash kernel rounds them to the dtype. Sums stay float32.
 constexpr int kDotRows = 8;  // query rows per register tile
 
-inline __m512bh pair_at(const c10::BFloat16* x) {
-  int32_t bits;
-  std::memcpy(&bits, x, sizeof(bits));
-  return (__m512bh)_mm512_set1_epi32(bits);
-}
-
 // c[r][0, 16) = sum over pairs i of a[r][2i, 2i + 2) . panel[i] (32 bf16: 16 lanes x 2), r < MR.
 template <int MR>
 void dot_rows(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* panel, int64_t pairs,

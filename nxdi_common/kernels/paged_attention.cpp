@@ -114,6 +114,18 @@ inline __m512 sum_lanes16(const __m512 (&a)[16]) {
                        _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
 }
 
+// sc[o] = the lane sum of dot_row(o) * scale for o < count (16 rows: one transposing reduction).
+template <typename DotRow>
+void scaled_lane_sums(DotRow&& dot_row, int64_t count, float scale, float* sc) {
+  if (count == 16) {
+    __m512 a[16];
+    for (int o = 0; o < 16; ++o) a[o] = dot_row(o);
+    _mm512_storeu_ps(sc, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
+    return;
+  }
+  for (int64_t o = 0; o < count; ++o) sc[o] = _mm512_reduce_add_ps(dot_row(o)) * scale;
+}
+
 template <int NV>
 struct Avx512Ops : FloatTiles<Avx512Ops<NV>> {
   struct alignas(64) Row { __m512 v[NV]; };
@@ -135,13 +147,7 @@ struct Avx512Ops : FloatTiles<Avx512Ops<NV>> {
       for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(q.v[j], _mm512_loadu_ps(t + 16 * j), a);
       return a;
     };
-    if (count == 16) {  // 16 dot products' lanes summed together: one transposing reduction
-      __m512 a[16];
-      for (int o = 0; o < 16; ++o) a[o] = dot_row(o);
-      _mm512_storeu_ps(sc, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
-      return;
-    }
-    for (int64_t o = 0; o < count; ++o) sc[o] = _mm512_reduce_add_ps(dot_row(o)) * scale;
+    scaled_lane_sums(dot_row, count, scale, sc);
   }
   void accumulate_tile(const float* tile, int64_t count, const float* p, Row& acc) const {
     // Two sets of sums (even and odd rows): twice the independent FMA chains.
@@ -208,8 +214,12 @@ struct Bf16DotOps {
   using Elem = BF16;
   static constexpr bool kProbsInPlace = false;
   struct alignas(64) Query { __m512i v[NZ]; };
-  struct alignas(64) Acc { __m512 v[2 * NZ]; };  // [2z]: unpacklo's dims of 32z.., [2z + 1]: unpackhi's
+  // [2z]: unpacklo's dims of 32z.. (see store), [2z + 1]: unpackhi's.
+  struct alignas(64) Acc { __m512 v[2 * NZ]; };
   static __m512i row(const BF16* p) { return _mm512_loadu_si512(p); }
+  static __m512bh tile_pair(const BF16* tile, int64_t i) {  // the tile's i-th 32 values
+    return (__m512bh)_mm512_load_si512(tile + i * 32);
+  }
   void load(const BF16* src, Query& r) const {
     for (int z = 0; z < NZ; ++z) r.v[z] = row(src + 32 * z);
   }
@@ -217,9 +227,11 @@ struct Bf16DotOps {
   // K rows as they are, d apart.
   void widen_k(const BF16* src, int64_t stride, int64_t count, BF16* dst) const {
     for (int64_t o = 0; o < count; ++o)
-      for (int z = 0; z < NZ; ++z) _mm512_store_si512(dst + (o * NZ + z) * 32, row(src + o * stride + 32 * z));
+      for (int z = 0; z < NZ; ++z)
+        _mm512_store_si512(dst + (o * NZ + z) * 32, row(src + o * stride + 32 * z));
   }
-  // V rows 2i and 2i + 1 interleaved: pair i's 2 * NZ vectors (a zero row after an odd count's last).
+  // V rows 2i and 2i + 1 interleaved: pair i's 2 * NZ vectors (a zero row after an odd count's
+  // last).
   void widen_v(const BF16* src, int64_t stride, int64_t count, BF16* dst) const {
     for (int64_t i = 0; 2 * i < count; ++i) {
       const BF16* r0 = src + 2 * i * stride;
@@ -236,23 +248,18 @@ struct Bf16DotOps {
     auto dot_row = [&](int64_t o) {
       __m512 a = _mm512_setzero_ps();
       for (int z = 0; z < NZ; ++z)
-        a = _mm512_dpbf16_ps(a, (__m512bh)q.v[z], (__m512bh)_mm512_load_si512(tile + (o * NZ + z) * 32));
+        a = _mm512_dpbf16_ps(a, (__m512bh)q.v[z], tile_pair(tile, o * NZ + z));
       return a;
     };
-    if (count == 16) {
-      __m512 a[16];
-      for (int o = 0; o < 16; ++o) a[o] = dot_row(o);
-      _mm512_storeu_ps(sc, _mm512_mul_ps(sum_lanes16(a), _mm512_set1_ps(scale)));
-      return;
-    }
-    for (int64_t o = 0; o < count; ++o) sc[o] = _mm512_reduce_add_ps(dot_row(o)) * scale;
+    scaled_lane_sums(dot_row, count, scale, sc);
   }
   // The softmax of sc[0, len) as bf16 in p[0, len), zeros in p[len, width); returns 1 / the sum.
   float probs(float* sc, int64_t len, BF16* p, int64_t width) const {
     const float inv = Avx512Ops<1>{}.softmax(sc, len);
     int64_t t = 0;
     for (; t + 16 <= len; t += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sc + t)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sc + t)));
     for (; t < len; ++t) p[t] = BF16(sc[t]);
     std::fill(p + len, p + width, BF16(0.f));
     return inv;
@@ -261,24 +268,20 @@ struct Bf16DotOps {
   void accumulate_tile(const BF16* tile, int64_t count, const BF16* p, Acc& acc) const {
     __m512 a[2 * NZ], e[2 * NZ];  // even and odd pairs: twice the independent chains
     for (int j = 0; j < 2 * NZ; ++j) a[j] = acc.v[j], e[j] = _mm512_setzero_ps();
-    auto pair_of = [&](int64_t i) {
-      int32_t w;
-      std::memcpy(&w, p + 2 * i, sizeof(w));
-      return (__m512bh)_mm512_set1_epi32(w);
-    };
+    auto pair_of = [&](int64_t i) { return pair_at(p + 2 * i); };
     const int64_t pairs = (count + 1) / 2;
     int64_t i = 0;
     for (; i + 2 <= pairs; i += 2) {
       const __m512bh w0 = pair_of(i), w1 = pair_of(i + 1);
       for (int j = 0; j < 2 * NZ; ++j) {
-        a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_load_si512(tile + (i * 2 * NZ + j) * 32), w0);
-        e[j] = _mm512_dpbf16_ps(e[j], (__m512bh)_mm512_load_si512(tile + ((i + 1) * 2 * NZ + j) * 32), w1);
+        a[j] = _mm512_dpbf16_ps(a[j], tile_pair(tile, i * 2 * NZ + j), w0);
+        e[j] = _mm512_dpbf16_ps(e[j], tile_pair(tile, (i + 1) * 2 * NZ + j), w1);
       }
     }
     if (i < pairs) {
       const __m512bh w0 = pair_of(i);
       for (int j = 0; j < 2 * NZ; ++j)
-        a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_load_si512(tile + (i * 2 * NZ + j) * 32), w0);
+        a[j] = _mm512_dpbf16_ps(a[j], tile_pair(tile, i * 2 * NZ + j), w0);
     }
     for (int j = 0; j < 2 * NZ; ++j) acc.v[j] = _mm512_add_ps(a[j], e[j]);
   }
@@ -360,7 +363,8 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   // position so that a pair read one past a query's last position reads a zero.
   const int64_t pn = Ops::kProbsInPlace ? n : n + 2;
   std::vector<Prob> prob_store(Ops::kProbsInPlace ? 0 : nq * pn);
-  Prob* const probs = Ops::kProbsInPlace ? reinterpret_cast<Prob*>(scores.data()) : prob_store.data();
+  Prob* const probs =
+      Ops::kProbsInPlace ? reinterpret_cast<Prob*>(scores.data()) : prob_store.data();
   // use(hk, pos, m): the tile holds KV head hk's rows for positions pos..pos+m-1.
   auto for_each_tile = [&](const kv_t* cache, auto&& widen, auto&& use) {
     for_each_block(cache, [&](int64_t first, int64_t count, const kv_t* base, const kv_t* next) {

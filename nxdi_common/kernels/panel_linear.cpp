@@ -142,13 +142,6 @@ inline __m512i interleave_rows(const c10::BFloat16* row, const c10::BFloat16* ne
   return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
 }
 
-// The (x[k], x[k+1]) pair of a row in every 32-bit lane, straight from memory (k + 1 < K).
-inline __m512bh pair_at(const c10::BFloat16* x) {
-  int32_t bits;
-  std::memcpy(&bits, x, sizeof(bits));
-  return (__m512bh)_mm512_set1_epi32(bits);
-}
-
 // The panel's rows 2i and 2i + 1 interleaved (32 values; with K odd the last pair's second row
 // is zero): read from `pairs` where dot_panel_rows interleaved them once, else made here.
 struct PanelPairs {

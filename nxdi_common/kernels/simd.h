@@ -13,6 +13,7 @@
 #endif
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace nxdi_simd {
@@ -88,6 +89,16 @@ template <> inline __m512 round16<c10::BFloat16>(__m512 x) {
 }
 template <> inline __m512 round16<c10::Half>(__m512 x) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// The bf16 pair (x[0], x[1]) in every 32-bit lane, straight from memory: one side of vdpbf16ps,
+// whose lanes add x[0] w[2l] + x[1] w[2l + 1].
+inline __m512bh pair_at(const c10::BFloat16* x) {
+  int32_t bits;
+  std::memcpy(&bits, x, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
 }
 #endif
 
