@@ -10,7 +10,11 @@ per chunk size and prints, per repeat, the one-call time, the pieces' total, and
 second and last pieces' times (a piece late in a long prompt attends over more of the cache).
 Runs unchanged at fa6c340 (chunk attention on the paged decode kernel) for the before figures.
 --op-only times one layer's attention for the last --chunk of the prompt instead (bundled model's
-heads: 9 query, 3 KV, 64 wide): torch.ops.nxdi.chunk_attention against gather + masked SDPA."""
+heads: 9 query, 3 KV, 64 wide): torch.ops.nxdi.chunk_attention against gather + masked SDPA.
+--decode-rows R (with --row-length L) times what a decode worker does while R sequences of L
+positions are running: each piece and a decode step of the R rows as two calls (piece, then
+token generation) and as one call (forward_mixed, the mixed sub-model); the pieces after the
+first, as the first of a prompt with no running batch is a context-encoding call either way."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +52,49 @@ def run(length: int, chunk: int, threads: int, backend: str, repeats: int) -> No
               f"{times[-1] * 1e3:4.0f} ms", flush=True)
 
 
+def mixed_times(length: int, chunk: int, threads: int, backend: str, repeats: int,
+                rows: int, row_length: int) -> None:
+    opts = worker.ModelOptions(None, "bfloat16", 2048, backend, None, threads)
+    row_blocks = row_length // BLOCK + 1
+    nc = worker.decode_neuron_config(opts, max(8, rows), length // BLOCK + 8 + rows * row_blocks,
+                                     BLOCK, chunk)
+    model = worker.load_model(opts, nc)
+    ids = [(i * 37 + 11) % 40000 + 100 for i in range(length)]
+    table = list(range(length // BLOCK + 1))
+    first = len(table)
+    row_tables = [list(range(first + r * row_blocks, first + (r + 1) * row_blocks))
+                  for r in range(rows)]
+
+    def piece(start: int, end: int) -> dict:
+        return dict(input_ids=torch.tensor([ids[start:end]]), seq_ids=torch.tensor([0]),
+                    position_ids=torch.arange(start, end).unsqueeze(0),
+                    slot_mapping=torch.tensor([[table[p // BLOCK] * BLOCK + p % BLOCK
+                                                for p in range(start, end)]]),
+                    block_table=torch.tensor([table]), rand=torch.tensor([0.0]))
+
+    step = dict(input_ids=torch.full((rows, 1), 500), seq_ids=torch.arange(rows),
+                position_ids=torch.full((rows, 1), row_length),
+                slot_mapping=torch.tensor([[t[-1] * BLOCK + row_length % BLOCK]
+                                           for t in row_tables]),
+                block_table=torch.tensor(row_tables), rand=torch.zeros(rows))
+    model.forward(**piece(0, chunk))  # the first piece (context encoding)
+    starts = range(chunk, length, chunk)
+    for _ in range(repeats):
+        times = {"two calls": [], "one mixed call": []}
+        for s in starts:
+            args = piece(s, min(length, s + chunk))
+            began = time.perf_counter()
+            model.forward(**args)
+            model.forward(**step)
+            times["two calls"].append(time.perf_counter() - began)
+            began = time.perf_counter()
+            model.forward_mixed(chunk=args, decode=step)
+            times["one mixed call"].append(time.perf_counter() - began)
+        print(f"chunk {chunk}, {rows} rows at {row_length}: " + "; ".join(
+            f"{name} {sum(t) * 1e3:5.0f} ms in all, {sum(t) / len(t) * 1e3:5.1f} per piece"
+            for name, t in times.items()), flush=True)
+
+
 def op_times(length: int, chunk: int, repeats: int = 20) -> None:
     import torch.nn.functional as F
     from nxdi_common.kernels import fused_ops
@@ -77,6 +124,8 @@ def main() -> None:
     p.add_argument("--backend", choices=("compiled", "eager"), default="compiled")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--op-only", action="store_true")
+    p.add_argument("--decode-rows", type=int, default=0)
+    p.add_argument("--row-length", type=int, default=512)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.op_only:
@@ -84,7 +133,11 @@ def main() -> None:
             op_times(args.length, chunk)
         return
     for chunk in args.chunks:
-        run(args.length, chunk, args.threads, args.backend, args.repeats)
+        if args.decode_rows:
+            mixed_times(args.length, chunk, args.threads, args.backend, args.repeats,
+                        args.decode_rows, args.row_length)
+        else:
+            run(args.length, chunk, args.threads, args.backend, args.repeats)
 
 
 if __name__ == "__main__":

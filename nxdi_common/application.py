@@ -3,17 +3,25 @@ sub-model sharing one KV cache. forward() routes sequences that start at positio
 rest to TKG (NxD Inference API reference, "NeuronBaseForCausalLM"). Extension: with
 NeuronConfig.prefill_chunk_size a third sub-model encodes a piece of a prompt that starts past
 position 0 (several tokens with explicit position_ids), attending to the positions before it in
-the cache: chunked prefill, so a long prompt can be encoded between token-generation steps."""
+the cache: chunked prefill, so a long prompt can be encoded between token-generation steps; and
+a fourth runs such a piece and a token-generation step together in one call (forward_mixed),
+reading the weights once for both."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from nxdi_common.application_base import NeuronApplicationBase
 from nxdi_common.model_wrapper import (CHUNKED_PREFILL_MODEL_TAG, CONTEXT_ENCODING_MODEL_TAG,
-                                       TOKEN_GENERATION_MODEL_TAG, ModelWrapper)
+                                       MIXED_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG, ModelWrapper)
 from nxdi_common.modules.sampling import SamplingRandomSource, sampling_params_from_config
+
+
+# The forward() arguments each part of a forward_mixed call may hold.
+MIXED_ARGS = frozenset({"input_ids", "position_ids", "seq_ids", "sampling_params", "slot_mapping",
+                        "block_table", "rand"})
 
 
 @dataclass
@@ -36,11 +44,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.token_generation_model = ModelWrapper(self.config, self._model_cls,
                                                    TOKEN_GENERATION_MODEL_TAG, args)
         self.models = [self.context_encoding_model, self.token_generation_model]
-        self.chunked_prefill_model = None
+        self.chunked_prefill_model = self.mixed_model = None
         if self.neuron_config.prefill_chunk_size is not None:
             self.chunked_prefill_model = ModelWrapper(self.config, self._model_cls,
                                                       CHUNKED_PREFILL_MODEL_TAG, args)
-            self.models.append(self.chunked_prefill_model)
+            self.mixed_model = ModelWrapper(self.config, self._model_cls, MIXED_MODEL_TAG, args)
+            self.models += [self.chunked_prefill_model, self.mixed_model]
         odsc = self.neuron_config.on_device_sampling_config
         self.random_source = SamplingRandomSource.from_config(odsc) if odsc else None
         self.kv_cache = None
@@ -167,15 +176,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
 
     def _run_token_gen(self, input_ids, position_ids, seq_ids, sampling_params, slots, table,
                        rand=None):
-        if input_ids.shape[1] != 1:
-            raise ValueError("token generation takes one new token per sequence (input_ids [B, 1])")
-        if position_ids is None:
-            position_ids = self.next_positions[seq_ids.long()].unsqueeze(1)
-        position_ids = position_ids[:, -1:].long()
-        if int(position_ids.max()) >= self.neuron_config.seq_len:
-            raise ValueError(f"position {int(position_ids.max())} is past seq_len "
-                             f"{self.neuron_config.seq_len}; the sequence is full")
-        self._check_token_ids(input_ids)
+        position_ids = self._token_gen_positions(input_ids, position_ids, seq_ids)
         b = input_ids.shape[0]
         mask = torch.ones(b, 1, dtype=torch.long)
         slots, table = self._block_indices(seq_ids, position_ids, mask, slots, table)
@@ -185,10 +186,84 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.next_positions[seq_ids.long()] = position_ids[:, 0] + 1
         return self._output(outputs)
 
+    def _token_gen_positions(self, input_ids, position_ids, seq_ids) -> torch.Tensor:
+        """Checked [B, 1] positions of a token-generation call (default: each row's next)."""
+        if input_ids.shape[1] != 1:
+            raise ValueError("token generation takes one new token per sequence (input_ids [B, 1])")
+        if position_ids is None:
+            position_ids = self.next_positions[seq_ids.long()].unsqueeze(1)
+        position_ids = position_ids[:, -1:].long()
+        if int(position_ids.max()) >= self.neuron_config.seq_len:
+            raise ValueError(f"position {int(position_ids.max())} is past seq_len "
+                             f"{self.neuron_config.seq_len}; the sequence is full")
+        self._check_token_ids(input_ids)
+        return position_ids
+
     def _run_chunk(self, input_ids, position_ids, seq_ids, sampling_params, slots, table,
                    rand=None):
         """One piece of one prompt: input_ids and position_ids [1, S], S <= prefill_chunk_size;
         the positions before it must be in the cache (block_table). Samples from its last token."""
+        position_ids = self._chunk_positions(input_ids, position_ids)
+        b, s = input_ids.shape
+        mask = torch.ones(b, s, dtype=torch.long)
+        slots, table = self._block_indices(seq_ids, position_ids, mask, slots, table)
+        params, rand = self._sampling_inputs(b, sampling_params, rand)
+        inputs = (input_ids.long(), mask, position_ids, seq_ids, params, rand, slots, table)
+        outputs = self.chunked_prefill_model(inputs, self.kv_cache, self.weights, self.scratch)
+        self.next_positions[seq_ids.long()] = position_ids[:, -1] + 1
+        self.kv_cache_populated = True
+        return self._output(outputs)
+
+    @torch.no_grad()
+    def forward_mixed(self, chunk: dict, decode: dict) -> CausalLMOutput:
+        """forward(**chunk) and forward(**decode) in one call of the mixed sub-model (extension):
+        `chunk` a piece of one prompt (input_ids and position_ids [1, S], S <=
+        prefill_chunk_size, its earlier positions in the cache), `decode` a token-generation
+        step of other sequences (input_ids [R, 1]); each dict holds the keyword arguments
+        forward() takes (seq_ids, position_ids, sampling_params, slot_mapping, block_table,
+        rand). The weights are read once for both. Output rows: the chunk's last token, then
+        the R decode rows."""
+        if self.kv_cache is None:
+            raise RuntimeError("model is not loaded: call to_cpu(), or compile() then load()")
+        if self.mixed_model is None:
+            raise ValueError("forward_mixed needs NeuronConfig.prefill_chunk_size (block KV "
+                             "layout)")
+        unknown = (set(chunk) | set(decode)) - MIXED_ARGS
+        if unknown:
+            raise ValueError(f"forward_mixed: unsupported arguments {sorted(unknown)}")
+        if chunk.get("position_ids") is None:
+            raise ValueError("position_ids is required for the chunk ([1, S])")
+        c_seq = self._seq_ids(chunk.get("input_ids"), chunk.get("seq_ids"))
+        d_seq = self._seq_ids(decode.get("input_ids"), decode.get("seq_ids"))
+        c_pos = self._chunk_positions(chunk["input_ids"], chunk["position_ids"])
+        d_pos = self._token_gen_positions(decode["input_ids"], decode.get("position_ids"), d_seq)
+        c, d = self._graph_part(chunk, c_seq, c_pos), self._graph_part(decode, d_seq, d_pos)
+        width = max(c["table"].shape[1], d["table"].shape[1])
+        tables = [F.pad(t, (0, width - t.shape[1]), value=self.scratch[1])
+                  for t in (c["table"], d["table"])]
+
+        def tokens(name):  # the chunk's [1, S] and the decode rows' [R, 1] as one [1, S + R]
+            return torch.cat([c[name], d[name].reshape(1, -1)], dim=1)
+        inputs = (tokens("ids"), torch.ones_like(tokens("ids")), tokens("pos"),
+                  torch.cat([c_seq, d_seq]), torch.cat([c["params"], d["params"]]),
+                  torch.cat([c["rand"], d["rand"]]), tokens("slots"), torch.cat(tables))
+        outputs = self.mixed_model(inputs, self.kv_cache, self.weights, self.scratch)
+        self.next_positions[c_seq.long()] = c_pos[:, -1] + 1
+        self.next_positions[d_seq.long()] = d_pos[:, 0] + 1
+        self.kv_cache_populated = True
+        return self._output(outputs)
+
+    def _graph_part(self, args: dict, seq_ids, positions) -> dict:
+        """One part of a mixed call as graph tensors: ids, pos, slots, table, params, rand."""
+        b = positions.shape[0]
+        slots, table = self._block_indices(seq_ids, positions, torch.ones_like(positions),
+                                           args.get("slot_mapping"), args.get("block_table"))
+        params, rand = self._sampling_inputs(b, args.get("sampling_params"), args.get("rand"))
+        return dict(ids=args["input_ids"].long(), pos=positions, slots=slots, table=table,
+                    params=params, rand=rand)
+
+    def _chunk_positions(self, input_ids, position_ids) -> torch.Tensor:
+        """Checked [1, S] positions of a chunk of a prompt."""
         chunk = self.neuron_config.prefill_chunk_size
         if self.chunked_prefill_model is None:
             raise ValueError("token generation takes one new token per sequence (input_ids "
@@ -207,14 +282,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise ValueError(f"position {int(position_ids.max())} is past seq_len "
                              f"{self.neuron_config.seq_len}")
         self._check_token_ids(input_ids)
-        mask = torch.ones(b, s, dtype=torch.long)
-        slots, table = self._block_indices(seq_ids, position_ids, mask, slots, table)
-        params, rand = self._sampling_inputs(b, sampling_params, rand)
-        inputs = (input_ids.long(), mask, position_ids, seq_ids, params, rand, slots, table)
-        outputs = self.chunked_prefill_model(inputs, self.kv_cache, self.weights, self.scratch)
-        self.next_positions[seq_ids.long()] = position_ids[:, -1] + 1
-        self.kv_cache_populated = True
-        return self._output(outputs)
+        return position_ids
 
     def _block_indices(self, seq_ids, positions, mask, slots, table):
         """slot_mapping / block_table for the block layout (contiguous default), dummies for flat."""

@@ -1,4 +1,5 @@
-"""ModelWrapper: one sub-model (context encoding, token generation, or chunked prefill) of an
+"""ModelWrapper: one sub-model (context encoding, token generation, chunked prefill, or a chunk
+and a decode step together) of an
 application, with its buckets, the example inputs it is traced with (`input_generator`), and the per-call bucket choice
 and padding. The torch model and its weights are shared by all wrappers of an application."""
 from __future__ import annotations
@@ -12,6 +13,9 @@ TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
 # extension (NeuronConfig.prefill_chunk_size): up to prefill_chunk_size prompt tokens of one
 # sequence from any position, over the cache like token generation
 CHUNKED_PREFILL_MODEL_TAG = "chunked_prefill_model"
+# extension: a chunk of one prompt and one token for each of a batch of decode rows in one call
+# (NeuronBaseModel.forward's `mixed`), bucketed by (decode rows, length) like token generation
+MIXED_MODEL_TAG = "chunked_prefill_decode_model"
 
 
 def _pad(t: torch.Tensor, dim: int, size: int, value) -> torch.Tensor:
@@ -33,9 +37,11 @@ class ModelWrapper:
         self.model_cls, self.tag, self.compiler_args = model_cls, tag, compiler_args
         self.is_context = tag == CONTEXT_ENCODING_MODEL_TAG
         self.is_chunk = tag == CHUNKED_PREFILL_MODEL_TAG
+        self.is_mixed = tag == MIXED_MODEL_TAG
         nc = self.neuron_config
-        # tokens per row of a call: the length bucket for context encoding, else static
-        self.queries = nc.prefill_chunk_size if self.is_chunk else 1
+        # tokens per row of a call: the length bucket for context encoding, else static (for a
+        # mixed call, the chunk's; its decode rows have one each)
+        self.queries = nc.prefill_chunk_size if self.is_chunk or self.is_mixed else 1
         if self.is_context:
             self.length_buckets = bucketing.context_encoding_buckets(nc)
             self.batch_buckets = self._context_batch_buckets(nc)
@@ -77,6 +83,8 @@ class ModelWrapper:
         return [self.example_inputs(b, n) for b, n in self.bucket_keys()]
 
     def example_inputs(self, batch: int, length: int) -> tuple[torch.Tensor, ...]:
+        if self.is_mixed:
+            return self._mixed_example(batch, length)
         s = length if self.is_context else self.queries
         first = 0 if self.is_context else length - s
         positions = torch.arange(first, first + s).clamp(min=0).expand(batch, s)
@@ -85,6 +93,17 @@ class ModelWrapper:
                 positions.contiguous(), torch.arange(batch, dtype=torch.int32),
                 torch.ones(batch, 3), torch.zeros(batch), torch.zeros(batch, s, dtype=torch.long),
                 torch.zeros(batch, table_width, dtype=torch.long))
+
+    def _mixed_example(self, rows: int, length: int) -> tuple[torch.Tensor, ...]:
+        """A chunk ending at position length - 1 and `rows` decode rows at that position."""
+        c, width = self.queries, max(1, self.kv_len(length) // self._block_size())
+        positions = torch.cat([torch.arange(length - c, length).clamp(min=0),
+                               torch.full((rows,), length - 1)]).unsqueeze(0)
+        return (torch.zeros(1, c + rows, dtype=torch.long),
+                torch.ones(1, c + rows, dtype=torch.long), positions,
+                torch.arange(rows + 1, dtype=torch.int32), torch.ones(rows + 1, 3),
+                torch.zeros(rows + 1), torch.zeros(1, c + rows, dtype=torch.long),
+                torch.zeros(rows + 1, width, dtype=torch.long))
 
     def _block_size(self) -> int:
         return self.neuron_config.pa_block_size if self.neuron_config.is_block_kv_layout else 1
@@ -107,24 +126,29 @@ class ModelWrapper:
         weights_as_inputs the model's parameters are taken from `weights` (for tracing); without,
         the module's own parameters are used and `weights` is ignored (eager)."""
         from nxdi_common.backends.weights import swapped_parameters
-        model, kv_len = self.model, self.kv_len(length)
+        model, kw = self.model, {"kv_len": self.kv_len(length)}
+        if self.is_mixed:
+            kw["mixed"] = self.queries
 
         def run(*args):
             *inputs, kv_cache, weights = args
             if not weights_as_inputs:
-                return model(*inputs, kv_cache, kv_len=kv_len)
+                return model(*inputs, kv_cache, **kw)
             with swapped_parameters(model, weights):
-                return model(*inputs, kv_cache, kv_len=kv_len)
+                return model(*inputs, kv_cache, **kw)
         return run
 
     def __call__(self, inputs: tuple, kv_cache, weights, scratch: tuple[int, int]):
-        """Pad `inputs` (the 8 graph inputs, unpadded) to the chosen bucket, run, unpad."""
-        batch = inputs[0].shape[0]
+        """Pad `inputs` (the 8 graph inputs, unpadded) to the chosen bucket, run, unpad. A mixed
+        call's batch is its decode rows (block_table's rows after the chunk's); its outputs keep
+        the chunk's row first."""
+        batch = inputs[7].shape[0] - 1 if self.is_mixed else inputs[0].shape[0]
         needed = inputs[0].shape[1] if self.is_context else int(inputs[2].max()) + 1
         key = self.select_bucket(batch, needed)
-        padded = self._pad_inputs(inputs, key, scratch)
-        outputs = self.runnables[key](*padded, kv_cache, weights)
-        return tuple(o[:batch] for o in outputs)
+        pad = self._pad_mixed_inputs if self.is_mixed else self._pad_inputs
+        outputs = self.runnables[key](*pad(inputs, key, scratch), kv_cache, weights)
+        rows = batch + 1 if self.is_mixed else batch
+        return tuple(o[:rows] for o in outputs)
 
     def _pad_inputs(self, inputs, key, scratch):
         """Pad rows with the scratch sequence slot and columns with padding tokens; padded
@@ -144,3 +168,24 @@ class ModelWrapper:
                 _pad(rand, 0, b, 0.0), _pad(_pad(slots, 1, s, slot_fill), 0, b, slot_fill),
                 _pad(_pad(table[:, :width], 1, width, scratch_block), 0, b, scratch_block)]
         return tuple(rows)
+
+    def _pad_mixed_inputs(self, inputs, key, scratch):
+        """A mixed call's inputs padded to bucket key = (decode rows, length): the chunk to
+        `queries` tokens as a chunk call pads it, the decode rows as a token-generation call
+        pads its batch (scratch row, scratch block, position 0)."""
+        b, n = key
+        ids, mask, pos, seq, params, rand, slots, table = inputs
+        rows = table.shape[0] - 1
+        c, s = ids.shape[1] - rows, self.queries
+        width = max(1, self.kv_len(n) // self._block_size())
+        scratch_row, scratch_block = scratch
+        slot_fill = scratch_block * self._block_size()
+
+        def tokens(t, chunk_fill, row_fill):
+            return torch.cat([_pad(t[:, :c], 1, s, chunk_fill), _pad(t[:, c:], 1, b, row_fill)], 1)
+        chunk_pos = pos[:, :c]
+        pos = torch.cat([chunk_pos, chunk_pos[:, -1:].expand(1, s - c), _pad(pos[:, c:], 1, b, 0)], 1)
+        return (tokens(ids, 0, 0), tokens(mask, 0, 0), pos, _pad(seq, 0, b + 1, scratch_row),
+                _pad(params, 0, b + 1, 1.0), _pad(rand, 0, b + 1, 0.0),
+                tokens(slots, slot_fill, slot_fill),
+                _pad(_pad(table[:, :width], 1, width, scratch_block), 0, b + 1, scratch_block))

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from nxdi_common.application_base import MANIFEST
 from nxdi_common.config import NeuronConfig
-from nxdi_common.model_wrapper import CHUNKED_PREFILL_MODEL_TAG
+from nxdi_common.model_wrapper import CHUNKED_PREFILL_MODEL_TAG, MIXED_MODEL_TAG
 from nxdi_common.models.llama.modeling_llama import NeuronLlamaForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -177,3 +177,158 @@ def test_bf16_chunks_run_the_chunk_kernel_and_match_one_pass(wide_heads_ckpt, tm
         pieces = encode_in_pieces(model, ids, first)[0]
         assert pieces.argmax() == whole.argmax()
         torch.testing.assert_close(pieces, whole, rtol=0, atol=0.05 * whole.abs().max().item())
+
+
+# ---- forward_mixed: a chunk and a decode step in one call -------------------------------------
+
+# Two decoding sequences beside the chunked one, each with its own scattered blocks.
+ROW_TABLES = [[21, 3, 9, 23], [12, 1, 18, 6]]
+ROW_PROMPTS = [13, 20]
+
+
+def row_slots(row: int, start: int, end: int) -> list[int]:
+    table = ROW_TABLES[row]
+    return [table[p // BS] * BS + p % BS for p in range(start, end)]
+
+
+def start_rows(model) -> list[list[int]]:
+    """Context-encode the two decoding rows' prompts (seq_ids 1, 2); their token ids."""
+    prompts = []
+    for row, n in enumerate(ROW_PROMPTS):
+        ids = [(i * 53 + 7 * row + 3) % 256 for i in range(n)]
+        model(torch.tensor([ids]), seq_ids=torch.tensor([row + 1]),
+              position_ids=torch.arange(n).unsqueeze(0), slot_mapping=torch.tensor([row_slots(row, 0, n)]),
+              block_table=torch.tensor([ROW_TABLES[row]]))
+        prompts.append(ids)
+    return prompts
+
+
+def step_args(tokens: list[int]) -> dict:
+    """forward() arguments of one decode step of both rows, each at the position after its prompt."""
+    return dict(input_ids=torch.tensor([[t] for t in tokens]), seq_ids=torch.tensor([1, 2]),
+                position_ids=torch.tensor([[n] for n in ROW_PROMPTS]),
+                slot_mapping=torch.tensor([row_slots(r, n, n + 1) for r, n in enumerate(ROW_PROMPTS)]),
+                block_table=torch.tensor(ROW_TABLES))
+
+
+def piece_args(ids: list[int], start: int) -> dict:
+    end = start + len(ids)
+    return dict(input_ids=torch.tensor([ids]), seq_ids=torch.tensor([0]),
+                position_ids=torch.arange(start, end).unsqueeze(0),
+                slot_mapping=torch.tensor([slots(start, end)]), block_table=torch.tensor([TABLE]))
+
+
+def mixed_vs_apart(model, n: int, first: int):
+    """The chunk ids[first:n] and a step of the two rows, once apart (forward twice) and once in
+    one forward_mixed call from the same cache: ((chunk, rows) logits and cache) for each."""
+    ids = prompt(n)
+    model.reset_kv_cache()
+    prompts = start_rows(model)
+    run_piece(model, ids[:first], 0)
+    before = model.kv_cache.clone()
+    chunk, step = piece_args(ids[first:n], first), step_args([prompts[0][-1], prompts[1][0]])
+    apart = (model(**chunk).logits, model(**step).logits)
+    apart_cache = model.kv_cache.clone()
+    model.kv_cache.copy_(before)
+    out = model.forward_mixed(chunk=chunk, decode=step).logits
+    return (apart, apart_cache), ((out[:1], out[1:]), model.kv_cache.clone()), prompts
+
+
+@pytest.mark.parametrize("kernel", ["paged", "sdpa"])
+@pytest.mark.parametrize("n, first", [(16, 8), (11, 8), (40, 32)])
+def test_a_mixed_call_gives_the_logits_and_cache_of_the_two_calls(tiny_llama_ckpt, hf_logits,
+                                                                  kernel, n, first):
+    """Two decode rows (batch bucket 2) beside a chunk, full (16) or short (11: 3 tokens padded
+    to 8, which must write only to scratch): the same logits as the chunk call and the step call
+    apart, transformers' logits, and the same cache."""
+    model = NeuronLlamaForCausalLM(tiny_llama_ckpt,
+                                   neuron_config=chunk_config(batch_size=4,
+                                                              cpu_attention_kernel=kernel))
+    model.to_cpu()
+    (apart, apart_cache), (mixed, mixed_cache), prompts = mixed_vs_apart(model, n, first)
+    assert (mixed[0] - apart[0]).abs().max() < 1e-5
+    assert (mixed[1] - apart[1]).abs().max() < 1e-5
+    assert (mixed_cache - apart_cache).abs().max() < 1e-6
+    assert (mixed[0][0] - hf_logits(prompt(n))).abs().max() < 1e-4
+    nexts = [prompts[0][-1], prompts[1][0]]
+    for row in range(2):
+        expected = hf_logits(prompts[row] + [nexts[row]])
+        assert (mixed[1][row] - expected).abs().max() < 1e-4
+
+
+def test_compiled_mixed_calls_equal_eager_and_pad_the_decode_batch(tiny_llama_ckpt, tmp_path,
+                                                                   compile_cache_dir):
+    """batch_size 4: buckets 1, 2 and 4 decode rows by 32 and 64 positions; one decode row pads
+    to no bucket, three pad to 4 (the padded rows touch no live block)."""
+    config = chunk_config(batch_size=4)
+    eager = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=config)
+    eager.to_cpu()
+    compiled = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=chunk_config(batch_size=4))
+    compiled.compile(tmp_path / "model")
+    compiled.load(tmp_path / "model")
+    artifacts = json.loads((tmp_path / "model" / MANIFEST).read_text())["artifacts"]
+    assert sorted(artifacts[MIXED_MODEL_TAG]) == ["1x32", "1x64", "2x32", "2x64", "4x32", "4x64"]
+    results = [mixed_vs_apart(model, 29, 24) for model in (eager, compiled)]
+    (_, _), (eager_mixed, eager_cache), _ = results[0]
+    (apart, apart_cache), (mixed, cache), _ = results[1]
+    for got in (mixed, apart):
+        assert (got[0] - eager_mixed[0]).abs().max() < 1e-5
+        assert (got[1] - eager_mixed[1]).abs().max() < 1e-5
+    assert (cache - eager_cache).abs().max() < 1e-6
+    # three decode rows (bucket 4): the third a copy of row 1 in blocks of its own
+    compiled.reset_kv_cache()
+    prompts = start_rows(compiled)
+    compiled.kv_cache[:, :, [16, 19]] = compiled.kv_cache[:, :, [21, 3]]  # row 1's first blocks
+    step = step_args([prompts[0][-1], prompts[1][0]])
+    alone = compiled(**step).logits
+    step3 = dict(input_ids=torch.cat([step["input_ids"], step["input_ids"][:1]]),
+                 seq_ids=torch.tensor([1, 2, 3]),
+                 position_ids=torch.cat([step["position_ids"], step["position_ids"][:1]]),
+                 slot_mapping=torch.cat([step["slot_mapping"], torch.tensor([[19 * BS + 5]])]),
+                 block_table=torch.cat([step["block_table"], torch.tensor([[16, 19, 10, 13]])]))
+    ids = prompt(12)
+    run_piece(compiled, ids[:8], 0)
+    out = compiled.forward_mixed(chunk=piece_args(ids[8:], 8), decode=step3).logits
+    assert out.shape[0] == 4
+    assert (out[1:3] - alone).abs().max() < 1e-5
+    assert (out[3] - alone[0]).abs().max() < 1e-5
+
+
+def test_bf16_mixed_calls_run_both_kernels(wide_heads_ckpt, tmp_path, compile_cache_dir):
+    """As the decode worker runs it (bfloat16, fused ops, paged kernel, compiled): the graph calls
+    chunk_attention and paged_decode_attention, and matches the two calls apart."""
+    config = dict(torch_dtype=torch.bfloat16, cpu_fused_ops="fused")
+    model = NeuronLlamaForCausalLM(wide_heads_ckpt,
+                                   neuron_config=chunk_config(batch_size=4, **config))
+    model.compile(tmp_path / "model")
+    model.load(tmp_path / "model")
+    graph = str(next(iter(model.mixed_model.runnables.values())).inlined_graph)
+    assert "nxdi::chunk_attention" in graph and "nxdi::paged_decode_attention" in graph
+    (apart, apart_cache), (mixed, mixed_cache), _ = mixed_vs_apart(model, 40, 32)
+    for got, want in zip(mixed, apart):
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        torch.testing.assert_close(got, want, rtol=0, atol=0.02 * want.abs().max().item())
+    torch.testing.assert_close(mixed_cache.float(), apart_cache.float(), rtol=0, atol=0.02)
+
+
+def test_bad_mixed_calls_are_refused(tiny_llama_ckpt):
+    model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=chunk_config(batch_size=4))
+    model.to_cpu()
+    prompts = start_rows(model)
+    run_piece(model, prompt(8), 0)
+    step = step_args([prompts[0][-1], prompts[1][0]])
+    with pytest.raises(ValueError, match=r"S <= prefill_chunk_size \(8\)"):
+        model.forward_mixed(chunk=piece_args(prompt(9), 8), decode=step)
+    with pytest.raises(ValueError, match=r"one new token per sequence \(input_ids \[B, 1\]\)"):
+        model.forward_mixed(chunk=piece_args(prompt(4), 8), decode=piece_args(prompt(2), 20))
+    with pytest.raises(ValueError, match="position_ids is required for the chunk"):
+        model.forward_mixed(chunk=dict(input_ids=torch.tensor([prompt(4)])), decode=step)
+    with pytest.raises(ValueError, match=r"unsupported arguments \['attention_mask'\]"):
+        model.forward_mixed(chunk=piece_args(prompt(4), 8),
+                            decode=dict(step, attention_mask=torch.ones(2, 1)))
+    plain = NeuronLlamaForCausalLM(tiny_llama_ckpt,
+                                   neuron_config=chunk_config(batch_size=4,
+                                                              prefill_chunk_size=None))
+    plain.to_cpu()
+    with pytest.raises(ValueError, match="forward_mixed needs NeuronConfig.prefill_chunk_size"):
+        plain.forward_mixed(chunk=piece_args(prompt(4), 8), decode=step)

@@ -36,22 +36,42 @@ class NeuronBaseModel(nn.Module):
         raise NotImplementedError("subclasses create embed_tokens, layers, norm, lm_head")
 
     def forward(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params, rand,
-                slot_mapping, block_table, kv_cache, kv_len: int | None = None):
+                slot_mapping, block_table, kv_cache, kv_len: int | None = None,
+                mixed: int | None = None):
         """One graph call. input_ids/attention_mask/position_ids [B, S]; seq_ids [B];
         sampling_params [B, 3]; rand [B]; slot_mapping [B, S] and block_table [B, T/block] (block
         layout only); kv_cache is updated in place. kv_len None = context encoding, else token
         generation over the first kv_len cache positions. Returns (tokens,) or (tokens, logits)
         with on-device sampling, else (logits,); logits are [B, vocab] float32 of the last token.
         With kv_len and S > 1 (a chunk of a prompt) each query attends to the cache up to its
-        own position, this call's keys included."""
+        own position, this call's keys included.
+
+        mixed = C (with kv_len): one call for a chunk of a prompt and a decode step together, so
+        the weights are read once for both. Token inputs are [1, C + R]: the chunk's C tokens
+        (right-padded; attention_mask marks them) then one token for each of R decode rows;
+        block_table [1 + R, T/block] (the chunk's sequence first), seq_ids [1 + R],
+        sampling_params [1 + R, 3], rand [1 + R]. Outputs have 1 + R rows: the chunk's last
+        token, then the decode rows."""
         index = (seq_ids, position_ids, slot_mapping, block_table)
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, hidden.dtype)
         paged = self.kv_mgr.paged_attention is not None
-        mask = None if paged else self._attention_mask(position_ids, kv_len, hidden.dtype)
+        extra = {} if mixed is None else {"mixed": mixed}
+        if paged:
+            mask = None
+        elif mixed is None:
+            mask = self._attention_mask(position_ids, kv_len, hidden.dtype)
+        else:  # the chunk's [1, 1, C, kv_len] and the decode rows' [R, 1, 1, kv_len]
+            mask = (self._attention_mask(position_ids[:, :mixed], kv_len, hidden.dtype),
+                    self._attention_mask(position_ids[:, mixed:].transpose(0, 1), kv_len,
+                                         hidden.dtype))
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, mask, kv_cache, i, self.kv_mgr, index, kv_len)
-        hidden = self._last_token(hidden, attention_mask, kv_len)  # [B, 1, hidden]
+            hidden = layer(hidden, cos, sin, mask, kv_cache, i, self.kv_mgr, index, kv_len, **extra)
+        if mixed is None:
+            hidden = self._last_token(hidden, attention_mask, kv_len)  # [B, 1, hidden]
+        else:
+            chunk = self._last_token(hidden[:, :mixed], attention_mask[:, :mixed], None)
+            hidden = torch.cat([chunk, hidden[:, mixed:].transpose(0, 1)])  # [1 + R, 1, hidden]
         logits = self.lm_head(self.norm(hidden)).squeeze(1).float()  # [B, V]
         if self.sampler is None:
             return (logits,)

@@ -98,28 +98,48 @@ class NeuronAttention(nn.Module):
         return q, k, v.transpose(1, 2)
 
     def forward(self, x, cos, sin, mask, cache, layer: int, kv_mgr, index, kv_len: int | None,
-                residual=None):
+                residual=None, mixed: int | None = None):
         """x [B, S, hidden]; cos/sin from rope_cos_sin; mask None (causal) or [B, 1, S, T] additive
         float (0 = attend, -inf = not). kv_len None means context encoding (attend to this call's
         own keys); an int means token generation (attend to the first kv_len cached positions,
         after writing this step's keys; with kv_mgr.paged_attention, to each row's own positions,
-        and mask is unused). Returns residual + attention output when residual is given."""
+        and mask is unused). mixed = C: x is [1, C + R, hidden], a C-token chunk of a prompt
+        (block_table row 0) then one token for each of R decode rows (block_table rows 1..R), and
+        mask is the pair (chunk's, decode rows') or None; each part attends as it would alone.
+        Returns residual + attention output when residual is given."""
         q, k, v = self.project(x, cos, sin)
-        kv_mgr.write(cache, layer, k, v, index)
+        kv_mgr.write(cache, layer, k, v, index)  # slots are per token: one write for both parts
+        if mixed is None:
+            out = self._attend(q, k, v, mask, cache, layer, kv_mgr, index, kv_len)
+        else:
+            seq_ids, positions, slots, table = index
+            masks = mask if mask is not None else (None, None)
+            chunk = (seq_ids[:1], positions[:, :mixed], slots[:, :mixed], table[:1])
+            rows = (seq_ids[1:], positions[:, mixed:].transpose(0, 1).contiguous(),
+                    slots[:, mixed:].transpose(0, 1).contiguous(), table[1:])
+            out_chunk = self._attend(q[:, :, :mixed], None, None, masks[0], cache, layer, kv_mgr,
+                                     chunk, kv_len)  # [1, C, H, D]
+            q_rows = q[:, :, mixed:].transpose(0, 2).contiguous()  # [R, H, 1, D]
+            out_rows = self._attend(q_rows, None, None, masks[1], cache, layer, kv_mgr, rows,
+                                    kv_len)  # [R, 1, H, D]
+            out = torch.cat([out_chunk, out_rows.transpose(0, 1)], dim=1)
+        out = out.flatten(2)  # [B, S, H * D]
+        return self.o_proj(out) if residual is None else self.o_proj.add_to(residual, out)
+
+    def _attend(self, q, k, v, mask, cache, layer: int, kv_mgr, index, kv_len: int | None):
+        """Attention of q [B, H, S, D] after this call's keys are in the cache: [B, S, H, D]. k and
+        v are this call's own keys (context encoding only, kv_len None)."""
         if kv_len is not None and q.shape[2] > 1 and self.fused is not None:
             # a chunk of a prompt: its queries over the cache gathered up to the length bucket;
             # the kernel reads keys only up to the chunk's last position
             k, v = kv_mgr.read(cache, layer, index, kv_len)
-            out = self.fused.chunk_attention(q, k, v, index[1], self.head_dim ** -0.5)
-        elif kv_len is not None and kv_mgr.paged_attention is not None:
+            return self.fused.chunk_attention(q, k, v, index[1], self.head_dim ** -0.5)
+        if kv_len is not None and kv_mgr.paged_attention is not None:
             # reads the blocks in place; no mask
-            out = kv_mgr.attend(cache, layer, q, index).transpose(1, 2)
-        elif kv_len is None and mask is None and self.fused is not None:
-            out = self.fused.causal_attention(q, k, v, self.head_dim ** -0.5)  # [B, S, H, D]
-        else:
-            if kv_len is not None:
-                k, v = kv_mgr.read(cache, layer, index, kv_len)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                 enable_gqa=True).transpose(1, 2)
-        out = out.flatten(2)  # [B, S, H * D]
-        return self.o_proj(out) if residual is None else self.o_proj.add_to(residual, out)
+            return kv_mgr.attend(cache, layer, q, index).transpose(1, 2)
+        if kv_len is None and mask is None and self.fused is not None:
+            return self.fused.causal_attention(q, k, v, self.head_dim ** -0.5)  # [B, S, H, D]
+        if kv_len is not None:
+            k, v = kv_mgr.read(cache, layer, index, kv_len)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=True).transpose(1, 2)

@@ -104,9 +104,9 @@ class NeuronLlamaDecoderLayer(nn.Module):
         self.mlp = NeuronLlamaMLP(config.hidden_size, config.intermediate_size,
                                   bool(getattr(config, "mlp_bias", False)), dtype, device)
 
-    def forward(self, x, cos, sin, mask, cache, layer, kv_mgr, index, kv_len):
+    def forward(self, x, cos, sin, mask, cache, layer, kv_mgr, index, kv_len, mixed=None):
         x = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, kv_mgr, index,
-                           kv_len, residual=x)
+                           kv_len, residual=x, mixed=mixed)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
