@@ -3,11 +3,15 @@
 The asyncio side (gRPC handlers, KV pulls) admits sequences, writes pulled KV into their reserved
 blocks, and posts commands; the engine thread turns commands into batch changes between steps:
 
-    loop: apply commands -> one piece of a local prefill -> one TKG step over the running batch
+    loop: apply commands -> one piece of a local prefill and a TKG step over the running batch,
+          in one model call when there are both (forward_mixed) -> else the one there is
 
-A local prefill runs in pieces of the model's prefill_chunk_size tokens (the first by context
-encoding, the rest by the chunked-prefill sub-model), one piece between two TKG steps, so a long
-prompt delays the running sequences' next token by one piece, not by its whole prefill. Which
+A local prefill runs in pieces of the model's prefill_chunk_size tokens, one piece a step, so a
+long prompt delays the running sequences' next token by one piece, not by its whole prefill.
+The step's decode rows ride in the piece's call (the mixed sub-model): the weights are read once
+for both, where a piece then a TKG call read them twice. A piece with no running batch, or a
+whole prompt shorter than a piece (context encoding pads it less), is a call of its own (the
+first by context encoding, the rest by the chunked-prefill sub-model). Which
 waiting local prefill goes next: one whose rest fits in one piece goes before any longer one (a
 short chat prompt does not wait behind the rest of a long one), the one with the fewest tokens
 left first; longer ones go first come first served, the one begun first. Shortest remaining first
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nxdi_common.application import CausalLMOutput
 from nxdi_common.block_manager import BlockManager
 from nxdi_common.modules.kv_cache import write_prompt_range
 from nxdi_common.serving.errors import Overloaded
@@ -67,6 +72,7 @@ class DecodeEngine:
         self._commands: queue.Queue = queue.Queue()
         self._local: deque[Sequence] = deque()  # local prefills: the one begun, then by arrival
         self.chunk = model.neuron_config.prefill_chunk_size
+        self._mixed = getattr(model, "mixed_model", None) is not None
         self._live: set[str] = set()  # admitted and not dropped
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._stopping = False
@@ -152,6 +158,14 @@ class DecodeEngine:
             if self._local:
                 seq = self._next_local()
                 self._local.remove(seq)
+                batch = self.scheduler.next_batch() if self._mixes(seq) else []
+                if batch:  # this step's decode rows ride in the piece's call
+                    self._guarded(self._mixed_step, [seq] + batch, (seq, batch))
+                    if self.metrics is not None:
+                        self.metrics.decode_steps_total.inc()
+                        self.metrics.mixed_steps_total.inc()
+                    self._update_gauges()
+                    continue
                 self._guarded(self._prefill_piece, [seq], seq)
             batch = self.scheduler.next_batch()
             groups = self._decode_groups(batch)
@@ -218,6 +232,13 @@ class DecodeEngine:
             return long, index if long else left
         return min(enumerate(self._local), key=key)[1]
 
+    def _mixes(self, seq: Sequence) -> bool:
+        """Whether the sequence's next piece takes the decode step into its call: not when it
+        is a whole prompt shorter than a piece (context encoding pads it to a bucket near its
+        length; the mixed call's chunk is always a full piece, and the step costs less)."""
+        start, end = self._next_piece(seq)
+        return self._mixed and (start > 0 or end - start == self.chunk)
+
     def _prefill_left(self, seq: Sequence) -> int:
         """Prompt tokens the sequence's local prefill has still to compute (its order key)."""
         return seq.prompt_len - self._next_piece(seq)[0]
@@ -230,21 +251,39 @@ class DecodeEngine:
         start = seq.prefilled or seq.num_cached_tokens  # the cached prefix is read, not computed
         return start, min(n, start + self.chunk)
 
-    @torch.no_grad()
-    def _prefill_piece(self, seq: Sequence) -> None:
-        """The next piece of the sequence's prompt; after the last, its first token, and it
-        joins the batch. Cached prefix positions are never written (their blocks are shared)."""
+    def _piece_args(self, seq: Sequence) -> tuple[dict, int]:
+        """forward() arguments of the sequence's next prompt piece, and the piece's end."""
         n, cached = seq.prompt_len, seq.num_cached_tokens
         start, end = self._next_piece(seq)
         slots = [self.scratch_slot if p < cached else s
                  for p, s in zip(range(start, end), self.slots(seq, start, end))]
+        return dict(input_ids=torch.tensor([seq.job.prompt_ids[start:end]]),
+                    seq_ids=torch.tensor([0]), position_ids=torch.arange(start, end).unsqueeze(0),
+                    sampling_params=torch.tensor([seq.job.sampling.as_row()]),
+                    slot_mapping=torch.tensor([slots]), block_table=torch.tensor([seq.block_table]),
+                    rand=torch.tensor([seq.draw_uniform() if end == n else 0.0])), end
+
+    @torch.no_grad()
+    def _prefill_piece(self, seq: Sequence) -> None:
+        """The next piece of the sequence's prompt (a model call of its own)."""
+        args, end = self._piece_args(seq)
+        self._piece_done(seq, end, self.model.forward(**args))
+
+    @torch.no_grad()
+    def _mixed_step(self, arg: tuple[Sequence, list[Sequence]]) -> None:
+        """The next piece of a prompt and a decode step of the running batch in one model call
+        (forward_mixed): the weights are read once for both."""
+        seq, batch = arg
+        args, end = self._piece_args(seq)
+        out = self.model.forward_mixed(chunk=args, decode=self._step_args(batch))
+        self._piece_done(seq, end, _rows(out, slice(0, 1)))
+        self._finish_step(batch, _rows(out, slice(1, None)))
+
+    def _piece_done(self, seq: Sequence, end: int, out) -> None:
+        """After a piece: after the last, the sequence's first token, and it joins the batch.
+        Cached prefix positions are never written (their blocks are shared)."""
+        n = seq.prompt_len
         last = end == n
-        out = self.model.forward(
-            torch.tensor([seq.job.prompt_ids[start:end]]), seq_ids=torch.tensor([0]),
-            position_ids=torch.arange(start, end).unsqueeze(0),
-            sampling_params=torch.tensor([seq.job.sampling.as_row()]),
-            slot_mapping=torch.tensor([slots]), block_table=torch.tensor([seq.block_table]),
-            rand=torch.tensor([seq.draw_uniform() if last else 0.0]))
         seq.prefilled = end
         if not last:
             self._local.appendleft(seq)  # its next piece after the next decode step
@@ -266,21 +305,24 @@ class DecodeEngine:
 
     @torch.no_grad()
     def _decode_step(self, batch: list[Sequence]) -> None:
-        """One token for every running sequence. Shapes: [B, 1] inputs, [B, W] block table."""
+        """One token for every running sequence (a token-generation call)."""
+        self._finish_step(batch, self.model.forward(**self._step_args(batch)))
+
+    def _step_args(self, batch: list[Sequence]) -> dict:
+        """forward() arguments of a decode step: [B, 1] inputs, [B, W] block table."""
         bs = self.config.block_size
         positions = [s.next_position() for s in batch]
         width = max(p // bs + 1 for p in positions)
         scratch = self.model.scratch[1]
         table = [(s.block_table + [scratch] * width)[:width] for s in batch]
-        out = self.model.forward(
-            torch.tensor([[s.generated[-1]] for s in batch]),
+        return dict(
+            input_ids=torch.tensor([[s.generated[-1]] for s in batch]),
             seq_ids=torch.tensor([s.slot for s in batch]),
             position_ids=torch.tensor(positions).unsqueeze(1),
             sampling_params=torch.tensor([s.job.sampling.as_row() for s in batch]),
             slot_mapping=torch.tensor([self.slots(s, p, p + 1) for s, p in zip(batch, positions)]),
             block_table=torch.tensor(table),
             rand=torch.tensor([s.draw_uniform() for s in batch]))
-        self._finish_step(batch, out)
 
     def _update_gauges(self) -> None:
         if self.metrics is None:
@@ -290,3 +332,9 @@ class DecodeEngine:
         self.metrics.queue_depth_requests.set(load["queued"])
         self.metrics.kv_blocks_used_blocks.set(load["kv_blocks_used"])
         self.metrics.kv_blocks_free_blocks.set(load["kv_blocks_free"])
+
+
+def _rows(out: CausalLMOutput, rows: slice) -> CausalLMOutput:
+    """Some rows of a model call's output."""
+    return CausalLMOutput(logits=None if out.logits is None else out.logits[rows],
+                          tokens=None if out.tokens is None else out.tokens[rows])

@@ -389,37 +389,64 @@ def test_chunked_prefill_and_a_cached_prefix_match_transformers(decode_chunked, 
         assert cached == (0, 160, 192, 0)[i], (i, cached)
 
 
-def test_a_chunked_prefill_lets_running_sequences_step(decode_chunked):
+def _metric(server, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"http://{server.info['metrics']}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+def test_a_chunked_prefill_lets_running_sequences_step(decode_chunked, reference):
     """While a 320-token prompt is prefilled in 20 pieces, a running sequence keeps getting
-    tokens: one decode step runs between two pieces (one prefill would stall it throughout)."""
-    long_prompt = list(range(3000, 3320))
+    tokens: its decode step rides in each piece's model call (one prefill would stall it
+    throughout), and both get transformers' tokens."""
+    long_prompt, short_prompt = list(range(3000, 3320)), [5, 6, 7]
+    mixed_before = _metric(decode_chunked, "nxdi_mixed_steps_total")
 
     async def both():
-        arrivals = []
+        arrivals, tokens = [], {"run": [], "long": []}
         started = asyncio.Event()
 
-        async def running():
+        async def one(rid, ids, max_tokens, after=None):
+            if after is not None:
+                await after.wait()
+                arrivals.append("submitted")
             async with grpc.aio.insecure_channel(decode_chunked.grpc) as channel:
-                stream = pb_grpc.DecodeStub(channel).Generate(request("run", [5, 6, 7], 180))
-                async for _ in stream:
-                    arrivals.append("run")
+                stream = pb_grpc.DecodeStub(channel).Generate(request(rid, ids, max_tokens))
+                async for event in stream:
+                    arrivals.append(rid)
+                    tokens[rid].append(event.token_id)
                     started.set()
 
-        async def prefilled():
-            await started.wait()
-            arrivals.append("submitted")
-            async with grpc.aio.insecure_channel(decode_chunked.grpc) as channel:
-                stream = pb_grpc.DecodeStub(channel).Generate(request("long", long_prompt, 2))
-                async for _ in stream:
-                    arrivals.append("long")
+        await asyncio.gather(one("run", short_prompt, 180), one("long", long_prompt, 4, started))
+        return arrivals, tokens
 
-        await asyncio.gather(running(), prefilled())
-        return arrivals
-
-    arrivals = run(both())
+    arrivals, tokens = run(both())
     window = arrivals[arrivals.index("submitted"):arrivals.index("long")]
     pieces = -(-len(long_prompt) // CHUNK)
     assert window.count("run") >= pieces // 2, (window.count("run"), pieces)
+    mixed = _metric(decode_chunked, "nxdi_mixed_steps_total") - mixed_before
+    assert mixed >= pieces // 2, (mixed, pieces)
+    assert tokens["run"] == greedy(reference, short_prompt, 180)
+    assert tokens["long"] == greedy(reference, long_prompt, 4)
+
+
+def test_a_prompt_shorter_than_a_piece_is_not_mixed(decode_chunked, reference):
+    """A 10-token prompt prefilled while a sequence runs is a context-encoding call of its own
+    (a mixed call would pad it to a whole piece); both still get transformers' tokens."""
+    mixed_before = _metric(decode_chunked, "nxdi_mixed_steps_total")
+
+    async def both():
+        async def short_later():
+            await asyncio.sleep(0.05)
+            return await collect(decode_chunked.grpc, request("short", list(range(40, 50)), 3))
+        return await asyncio.gather(collect(decode_chunked.grpc, request("run", [8, 9], 40)),
+                                    short_later())
+
+    running, short = run(both())
+    assert [e.token_id for e in running] == greedy(reference, [8, 9], 40)
+    assert [e.token_id for e in short] == greedy(reference, list(range(40, 50)), 3)
+    assert _metric(decode_chunked, "nxdi_mixed_steps_total") == mixed_before
 
 
 def first_token_order(server, sends) -> list[str]:

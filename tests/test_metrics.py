@@ -21,6 +21,7 @@ EXPECTED_FAMILIES = {
     "nxdi_prompt_tokens": "counter",
     "nxdi_decode_steps": "counter",
     "nxdi_token_generation_calls": "counter",
+    "nxdi_mixed_steps": "counter",
     "nxdi_local_prefills": "counter",
 }
 

@@ -50,6 +50,8 @@ COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
     ("decode_steps", "Decode steps (one token for every running sequence)"),
     ("token_generation_calls", "Token-generation model calls (one per decode step, two when "
      "short and long sequences run apart)"),
+    ("mixed_steps", "Decode steps run in the same model call as a piece of a local prefill "
+     "(counted in decode_steps too, not in token_generation_calls)"),
     ("local_prefills", "Prompts prefilled by their decode worker (router: requests it sent "
      "without prefill candidates; decode: prompts it prefilled itself)"),
 )
@@ -81,7 +83,7 @@ class ServingMetrics:
     ``queue_depth_requests``, ``running_sequences``, ``kv_blocks_used_blocks``,
     ``kv_blocks_free_blocks``, ``open_kv_transfers``; counters ``kv_transfer_bytes_total``,
     ``generated_tokens_total``, ``prompt_tokens_total``, ``decode_steps_total``,
-    ``token_generation_calls_total``; and ``requests_total``, an
+    ``token_generation_calls_total``, ``mixed_steps_total``, ``local_prefills_total``; and ``requests_total``, an
     :class:`OutcomeCounter` (``requests_total.inc("ok")``)."""
 
     def __init__(self, role: str):
