@@ -96,6 +96,52 @@ def test_rope_qk_equals_the_attention_modules_rope(ops, dtype, dim, seq):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF_DTYPES])
+@pytest.mark.parametrize("dim", [64, 24])
+@pytest.mark.parametrize("batch,seq", [(3, 1), (1, 7)])  # a decode step, a chunk
+def test_rope_qk_store_equals_rope_then_the_block_cache_write(ops, dtype, dim, batch, seq):
+    """q as NeuronAttention.project rotates it, k and v in layer 1 of a block cache at the slots
+    as BlockKVCacheManager.write stores them (bit for bit); every other cache cell untouched."""
+    from nxdi_common.modules.kv_cache import BlockKVCacheManager
+    heads, kv_heads, block_size = 6, 2, 4
+    attn = NeuronAttention(48, heads, kv_heads, dim, qkv_bias=False, o_bias=False,
+                           qk_norm_eps=None, fused_qkv=True, dtype=dtype)
+    g = torch.Generator().manual_seed(dim + seq)
+    for p in attn.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 0.3).to(dtype)
+    x = torch.randn(batch, seq, 48, generator=g).to(dtype)
+    positions = torch.randint(0, 4000, (batch, seq), generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    cos, sin = rope_cos_sin(positions, inv_freq, dtype)
+    mgr = BlockKVCacheManager(3, 5, block_size, kv_heads, dim, dtype, dtype)
+    cache = torch.randn(mgr.shape, generator=g).to(dtype)
+    slots = torch.randperm(6 * block_size, generator=g)[:batch * seq].view(batch, seq)
+    want_cache = cache.clone()
+    q, k, v = attn.project(x, cos, sin)
+    mgr.write(want_cache, 1, k, v, (None, None, slots, None))
+    heads_in = attn.qkv_proj(x).unflatten(-1, (heads + 2 * kv_heads, dim))
+    got = ops.rope_qk_store(heads_in, cos, sin, heads, cache, 1, slots)
+    assert torch.equal(got.transpose(1, 2), q)
+    assert torch.equal(cache, want_cache)
+
+
+def test_rope_qk_store_refuses_bad_input_and_writes_nothing(ops):
+    x, cs = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 2, 8)
+    cache = torch.zeros(2, 2, 3, 4, 1, 8)
+    slots = torch.tensor([[0, 5]])
+    for args, message in [
+        ((x, cs, cs, 2, cache, 0, torch.tensor([[0, 12]])), r"slot 12 is not in 0..11"),
+        ((x, cs, cs, 2, cache, 2, slots), r"layer 2 is not in 0..1"),
+        ((x, cs, cs, 3, cache, 0, slots), r"not q_heads \(3\) \+ 2 equal numbers"),
+        ((x, cs, cs, 2, cache.bfloat16(), 0, slots), "cache dtype BFloat16 differs"),
+        ((x, cs, cs, 2, cache, 0, slots.int()), "slots must be int64"),
+        ((x, cs, cs, 2, torch.zeros(2, 2, 3, 4, 2, 8), 0, slots), "cache must be a contiguous"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            ops.rope_qk_store(*args)
+    assert not cache.any()
+
+
 @pytest.mark.parametrize("vocab,k", [(49152, 256), (5000, 64), (300, 256), (256, 256)])
 def test_topk_equals_torch_topk(ops, vocab, k):
     """The fast path (rows of at least 8k values) and the plain one give torch.topk's values and
@@ -340,6 +386,26 @@ def greedy(model, steps: int = 6) -> torch.Tensor:
     for _ in range(steps):
         logits.append(model(logits[-1].argmax(-1, keepdim=True)).logits)
     return torch.stack(logits)
+
+
+def test_block_cache_graphs_rotate_and_store_keys_in_one_op(tiny_llama_ckpt, tmp_path,
+                                                            compile_cache_dir):
+    """Block KV layout, fused ops: token generation rotates q and k and stores k and v with
+    nxdi::rope_qk_store (no index_copy_ left in its graph); context encoding, which attends to
+    its own keys, still writes them apart. Greedy logits equal the torch-ops build's."""
+    block = dict(torch_dtype=torch.float32, is_block_kv_layout=True, pa_block_size=8,
+                 pa_num_blocks=16)
+    fused = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=fused_config(**block))
+    fused.compile(tmp_path / "fused")
+    fused.load(tmp_path / "fused")
+    plain = NeuronLlamaForCausalLM(tiny_llama_ckpt,
+                                   neuron_config=fused_config(cpu_fused_ops="torch", **block))
+    plain.to_cpu()
+    tkg = str(next(iter(fused.token_generation_model.runnables.values())).inlined_graph)
+    cte = str(next(iter(fused.context_encoding_model.runnables.values())).inlined_graph)
+    assert "nxdi::rope_qk_store" in tkg and "aten::index_copy_" not in tkg
+    assert "nxdi::rope_qk_store" not in cte and "aten::index_copy_" in cte
+    torch.testing.assert_close(greedy(fused), greedy(plain), rtol=0, atol=1e-5)
 
 
 def test_choice_validation_and_fallback(tiny_llama_ckpt, monkeypatch):

@@ -2,7 +2,7 @@
 
 One library, built (once per source, torch version and CPU) from `paged_attention.cpp`
 (`torch.ops.nxdi.paged_decode_attention`), `fused_ops.cpp` (`torch.ops.nxdi.rms_norm`,
-`rope_qk`, `silu_mul`, `topk`), `causal_attention.cpp` (`torch.ops.nxdi.causal_attention`,
+`rope_qk`, `rope_qk_store`, `silu_mul`, `topk`), `causal_attention.cpp` (`torch.ops.nxdi.causal_attention`,
 context encoding's attention, and `chunk_attention`, a prompt chunk's over the cache) and `panel_linear.cpp` (`torch.ops.nxdi.panel_linear`, linear layers
 on CPUs without AMX), which share `simd.h`. `paged_attention()` and `fused_ops()`
 build and load it. The build needs a C++ compiler and ninja (both on the target machines; the
@@ -155,7 +155,7 @@ def paged_attention():
 
 
 def fused_ops():
-    """torch.ops.nxdi (rms_norm, rope_qk, silu_mul, topk, causal_attention), built and loaded;
+    """torch.ops.nxdi (rms_norm, rope_qk, rope_qk_store, silu_mul, topk, causal_attention), built and loaded;
     RuntimeError when it cannot be."""
     reason = kernels_unavailable_reason()
     if reason is not None:

@@ -4,7 +4,7 @@
 // chain rounds, so the fused and torch paths differ only where a float32 sum is added up in
 // another order or e^x is evaluated by another polynomial (within an ulp of float32).
 //
-// Registered as torch.ops.nxdi.{rms_norm, rope_qk, silu_mul, topk} in the same library as the paged
+// Registered as torch.ops.nxdi.{rms_norm, rope_qk, rope_qk_store, silu_mul, topk} in the same library as the paged
 // attention kernel, so traced graphs record them as single ops.
 #include "simd.h"
 
@@ -112,73 +112,136 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
   return out;
 }
 
-// RoPE as modules/rope.py's apply_rope computes it: x * cos + roll(x, D/2) * signed_sin, each
-// product and the sum rounded to the dtype; heads past `rotated` (the values) are copied.
+// RoPE of one head as modules/rope.py's apply_rope computes it: x * cos + roll(x, D/2) *
+// signed_sin, each product and the sum rounded to the dtype.
 template <typename T>
-void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t batch, int64_t seq,
-               int64_t heads, int64_t rotated, int64_t d) {
+inline void rope_head(const T* xr, const T* c, const T* sn, T* yr, int64_t d) {
   const int64_t half = d / 2;
-  at::parallel_for(0, batch * seq, 16, [&](int64_t begin, int64_t end) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (half % 16 == 0)
+    for (; i < d; i += 16) {
+      const int64_t j = i < half ? i + half : i - half;  // roll by half: x[i - half mod d]
+      const __m512 a = round16<T>(_mm512_mul_ps(load16(xr + i), load16(c + i)));
+      const __m512 b = round16<T>(_mm512_mul_ps(load16(xr + j), load16(sn + i)));
+      store16(yr + i, _mm512_add_ps(a, b));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (half % 8 == 0)
+    for (; i < d; i += 8) {
+      const int64_t j = i < half ? i + half : i - half;
+      const __m256 a = round8<T>(_mm256_mul_ps(load8(xr + i), load8(c + i)));
+      const __m256 b = round8<T>(_mm256_mul_ps(load8(xr + j), load8(sn + i)));
+      store8(yr + i, _mm256_add_ps(a, b));
+    }
+#endif
+  for (; i < d; ++i) {
+    const int64_t j = i < half ? i + half : i - half;
+    const float a = round_scalar<T>(to_float(xr[i]) * to_float(c[i]));
+    const float b = round_scalar<T>(to_float(xr[j]) * to_float(sn[i]));
+    yr[i] = from_float<T>(a + b);
+  }
+}
+
+// Rows (b, s) of x [B, S, heads, D]: the first `rotated` heads rotated, the rest copied, head h
+// of row bs to dest(bs, h). cos/sin [B, 1, S, D]: row (b, s) is bs.
+template <typename T, typename Dest>
+void rope_rows(const T* x, const T* cos, const T* sin, int64_t rows, int64_t heads,
+               int64_t rotated, int64_t d, Dest&& dest) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t bs = begin; bs < end; ++bs) {
-      const T* c = cos + bs * d;  // cos/sin [B, 1, S, D]: row (b, s) is bs
-      const T* sn = sin + bs * d;
       for (int64_t h = 0; h < heads; ++h) {
         const T* xr = x + (bs * heads + h) * d;
-        T* yr = out + (bs * heads + h) * d;
-        if (h >= rotated) {
-          std::copy(xr, xr + d, yr);
-          continue;
-        }
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        if (half % 16 == 0)
-          for (; i < d; i += 16) {
-            const int64_t j = i < half ? i + half : i - half;  // roll by half: x[i - half mod d]
-            const __m512 a = round16<T>(_mm512_mul_ps(load16(xr + i), load16(c + i)));
-            const __m512 b = round16<T>(_mm512_mul_ps(load16(xr + j), load16(sn + i)));
-            store16(yr + i, _mm512_add_ps(a, b));
-          }
-#elif defined(__AVX2__) && defined(__FMA__)
-        if (half % 8 == 0)
-          for (; i < d; i += 8) {
-            const int64_t j = i < half ? i + half : i - half;
-            const __m256 a = round8<T>(_mm256_mul_ps(load8(xr + i), load8(c + i)));
-            const __m256 b = round8<T>(_mm256_mul_ps(load8(xr + j), load8(sn + i)));
-            store8(yr + i, _mm256_add_ps(a, b));
-          }
-#endif
-        for (; i < d; ++i) {
-          const int64_t j = i < half ? i + half : i - half;
-          const float a = round_scalar<T>(to_float(xr[i]) * to_float(c[i]));
-          const float b = round_scalar<T>(to_float(xr[j]) * to_float(sn[i]));
-          yr[i] = from_float<T>(a + b);
-        }
+        if (h < rotated)
+          rope_head(xr, cos + bs * d, sin + bs * d, dest(bs, h), d);
+        else
+          std::copy(xr, xr + d, dest(bs, h));
       }
     }
   });
 }
 
+// Shapes rope_qk and rope_qk_store share: x [B, S, heads, D], cos and sin [B, 1, S, D] in x's
+// dtype.
+void check_rope_inputs(const char* op, const at::Tensor& x, const at::Tensor& cos,
+                       const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 4, op, ": x must be [B, S, heads, D], got ", x.sizes());
+  const int64_t b = x.size(0), s = x.size(1), d = x.size(3);
+  TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even, got ", d);
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 4 && t->size(0) == b && t->size(1) == 1 && t->size(2) == s &&
+                t->size(3) == d, op, ": cos and sin must be [", b, ", 1, ", s, ", ", d,
+                "], got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == x.scalar_type(), op, ": cos/sin dtype differs from x");
+  }
+}
+
 // x [B, S, heads, D]; cos, sin [B, 1, S, D] from rope_cos_sin: the first `rotated` heads rotated.
 at::Tensor rope_qk(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                    int64_t rotated) {
-  TORCH_CHECK(x_in.dim() == 4, "rope_qk: x must be [B, S, heads, D], got ", x_in.sizes());
-  const int64_t b = x_in.size(0), s = x_in.size(1), heads = x_in.size(2), d = x_in.size(3);
-  TORCH_CHECK(d % 2 == 0, "rope_qk: head_dim must be even, got ", d);
+  check_rope_inputs("rope_qk", x_in, cos_in, sin_in);
+  const int64_t heads = x_in.size(2), d = x_in.size(3);
   TORCH_CHECK(rotated >= 0 && rotated <= heads, "rope_qk: rotated heads must lie in 0..", heads);
-  for (const at::Tensor* t : {&cos_in, &sin_in}) {
-    TORCH_CHECK(t->dim() == 4 && t->size(0) == b && t->size(1) == 1 && t->size(2) == s &&
-                t->size(3) == d, "rope_qk: cos and sin must be [", b, ", 1, ", s, ", ", d,
-                "], got ", t->sizes());
-    TORCH_CHECK(t->scalar_type() == x_in.scalar_type(), "rope_qk: cos/sin dtype differs from x");
-  }
   const at::Tensor x = x_in.contiguous(), c = cos_in.contiguous(), sn = sin_in.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options());
   dispatch_float(x.scalar_type(), "rope_qk", [&](auto t) {
     using T = decltype(t);
+    T* y = out.mutable_data_ptr<T>();
     rope_rows(x.const_data_ptr<T>(), c.const_data_ptr<T>(), sn.const_data_ptr<T>(),
-              out.mutable_data_ptr<T>(), b, s, heads, rotated, d);
+              x.size(0) * x.size(1), heads, rotated, d,
+              [&](int64_t bs, int64_t h) { return y + (bs * heads + h) * d; });
   });
   return out;
+}
+
+// A fused attention's q, k, v heads x [B, S, q_heads + 2 * kv_heads, D] (q, then k, then v):
+// q and k rotated as rope_qk rotates them, k and v stored in layer `layer` of the block KV cache
+// [layers, 2, blocks, block_size, kv_heads, D] at slots [B, S] (slot = block * block_size +
+// offset), as the block cache manager's write stores them. Returns the rotated q [B, S, q_heads,
+// D]. One op instead of rope, split, transposes, stack and index_copy_ per layer.
+at::Tensor rope_qk_store(const at::Tensor& x_in, const at::Tensor& cos_in,
+                         const at::Tensor& sin_in, int64_t q_heads, at::Tensor& cache,
+                         int64_t layer, const at::Tensor& slots_in) {
+  check_rope_inputs("rope_qk_store", x_in, cos_in, sin_in);
+  const int64_t b = x_in.size(0), s = x_in.size(1), heads = x_in.size(2), d = x_in.size(3);
+  const int64_t kv_heads = (heads - q_heads) / 2;
+  TORCH_CHECK(q_heads >= 1 && kv_heads >= 1 && q_heads + 2 * kv_heads == heads,
+              "rope_qk_store: x's ", heads, " heads are not q_heads (", q_heads,
+              ") + 2 equal numbers of key and value heads");
+  TORCH_CHECK(cache.dim() == 6 && cache.size(1) == 2 && cache.size(4) == kv_heads &&
+              cache.size(5) == d && cache.is_contiguous(),
+              "rope_qk_store: cache must be a contiguous [layers, 2, blocks, block_size, ",
+              kv_heads, ", ", d, "], got ", cache.sizes());
+  TORCH_CHECK(cache.scalar_type() == x_in.scalar_type(), "rope_qk_store: cache dtype ",
+              cache.scalar_type(), " differs from x's ", x_in.scalar_type());
+  TORCH_CHECK(layer >= 0 && layer < cache.size(0), "rope_qk_store: layer ", layer,
+              " is not in 0..", cache.size(0) - 1);
+  TORCH_CHECK(slots_in.dim() == 2 && slots_in.size(0) == b && slots_in.size(1) == s &&
+              slots_in.scalar_type() == at::kLong,
+              "rope_qk_store: slots must be int64 [", b, ", ", s, "], got ",
+              slots_in.scalar_type(), " ", slots_in.sizes());
+  const at::Tensor x = x_in.contiguous(), c = cos_in.contiguous(), sn = sin_in.contiguous();
+  const at::Tensor slots = slots_in.contiguous();
+  const int64_t num_slots = cache.size(2) * cache.size(3);
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < b * s; ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "rope_qk_store: slot ", slot[i],
+                " is not in 0..", num_slots - 1);
+  at::Tensor q = at::empty({b, s, q_heads, d}, x.options());
+  dispatch_float(x.scalar_type(), "rope_qk_store", [&](auto t) {
+    using T = decltype(t);
+    T* qp = q.mutable_data_ptr<T>();
+    T* k_cache = cache.mutable_data_ptr<T>() + layer * 2 * num_slots * kv_heads * d;
+    T* v_cache = k_cache + num_slots * kv_heads * d;
+    rope_rows(x.const_data_ptr<T>(), c.const_data_ptr<T>(), sn.const_data_ptr<T>(), b * s,
+              heads, q_heads + kv_heads, d, [&](int64_t bs, int64_t h) {
+                if (h < q_heads) return qp + (bs * q_heads + h) * d;
+                T* base = h < q_heads + kv_heads ? k_cache : v_cache;
+                const int64_t head = h < q_heads + kv_heads ? h - q_heads : h - q_heads - kv_heads;
+                return base + (slot[bs] * kv_heads + head) * d;
+              });
+  });
+  return q;
 }
 
 // F.silu(gate) * up for x = [gate | up] on the last dimension, as the MLP computes it: silu in
@@ -358,6 +421,8 @@ std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& logits_in, int64_t k) 
 TORCH_LIBRARY_FRAGMENT(nxdi, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_qk(Tensor x, Tensor cos, Tensor sin, int rotated) -> Tensor");
+  m.def("rope_qk_store(Tensor x, Tensor cos, Tensor sin, int q_heads, Tensor(a!) cache, "
+        "int layer, Tensor slots) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("topk(Tensor logits, int k) -> (Tensor, Tensor)");
 }
@@ -365,6 +430,7 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
 TORCH_LIBRARY_IMPL(nxdi, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_qk", &rope_qk);
+  m.impl("rope_qk_store", &rope_qk_store);
   m.impl("silu_mul", &silu_mul);
   m.impl("topk", &topk);
 }

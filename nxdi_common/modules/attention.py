@@ -107,8 +107,15 @@ class NeuronAttention(nn.Module):
         (block_table row 0) then one token for each of R decode rows (block_table rows 1..R), and
         mask is the pair (chunk's, decode rows') or None; each part attends as it would alone.
         Returns residual + attention output when residual is given."""
-        q, k, v = self.project(x, cos, sin)
-        kv_mgr.write(cache, layer, k, v, index)  # slots are per token: one write for both parts
+        if kv_len is not None and self._stores_in_one_op(kv_mgr, x.dtype):
+            # attention reads this call's keys from the cache: rotate and store them in one op
+            h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+            heads = self.qkv_proj(x).unflatten(-1, (h + 2 * hkv, d))  # [B, S, H + 2Hkv, D]
+            q = self.fused.rope_qk_store(heads, cos, sin, h, cache, layer, index[2]).transpose(1, 2)
+            k = v = None
+        else:
+            q, k, v = self.project(x, cos, sin)
+            kv_mgr.write(cache, layer, k, v, index)  # slots are per token: one write for all
         if mixed is None:
             out = self._attend(q, k, v, mask, cache, layer, kv_mgr, index, kv_len)
         else:
@@ -125,6 +132,12 @@ class NeuronAttention(nn.Module):
             out = torch.cat([out_chunk, out_rows.transpose(0, 1)], dim=1)
         out = out.flatten(2)  # [B, S, H * D]
         return self.o_proj(out) if residual is None else self.o_proj.add_to(residual, out)
+
+    def _stores_in_one_op(self, kv_mgr, dtype) -> bool:
+        """Whether nxdi::rope_qk_store can rotate q and k and store k and v (fused ops, fused QKV
+        without qk-norm, a block cache in the compute dtype)."""
+        return (self.fused is not None and self.fused_qkv and self.q_norm is None
+                and kv_mgr.is_block and kv_mgr.dtype == dtype)
 
     def _attend(self, q, k, v, mask, cache, layer: int, kv_mgr, index, kv_len: int | None):
         """Attention of q [B, H, S, D] after this call's keys are in the cache: [B, S, H, D]. k and
