@@ -297,6 +297,18 @@ struct Bf16DotOps {
 };
 #endif
 
+// `count` Ts of this thread's scratch number `Slot`, 64-byte aligned, grown as needed and kept for
+// later calls. Nothing in it is read before it is written: a std::vector<T>(count) per call
+// zeroed every element (for bf16 probabilities one 2-byte store at a time: ~8% of the kernel).
+template <typename T, int Slot>
+T* scratch(int64_t count) {
+  thread_local std::vector<float> buf;
+  const size_t floats = (count * sizeof(T) + sizeof(float) - 1) / sizeof(float) + 16;
+  if (buf.size() < floats) buf.resize(floats);
+  const uintptr_t misaligned = reinterpret_cast<uintptr_t>(buf.data()) / sizeof(float) % 16;
+  return reinterpret_cast<T*>(buf.data() + (16 - misaligned) % 16);
+}
+
 // Row b, KV heads [hk0, hk1) (their query heads are contiguous, h = hk * group + g): per token,
 // each KV head's K (then V) row is loaded once for all of its query heads and positions. With all
 // KV heads of a row in one task its blocks are read front to back. Block ids and positions are
@@ -356,15 +368,14 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
     }
   };
   // The tile is 64-byte aligned: unaligned vector stores and reloads of it cost a third more.
-  std::vector<float> scores(nq * n), tile_store(kTile * d + 16);
-  Elem* const tile_p = reinterpret_cast<Elem*>(tile_store.data() +
-      (16 - reinterpret_cast<uintptr_t>(tile_store.data()) / sizeof(float) % 16) % 16);
+  float* const scores = scratch<float, 0>(nq * n);
+  Elem* const tile_p = scratch<Elem, 1>(kTile * d);
   // Probabilities: in the scores' array, or (bf16) in their own, a query's row zero past its
-  // position so that a pair read one past a query's last position reads a zero.
+  // position (probs() writes the zeros) so that a pair read one past a query's last position
+  // reads a zero.
   const int64_t pn = Ops::kProbsInPlace ? n : n + 2;
-  std::vector<Prob> prob_store(Ops::kProbsInPlace ? 0 : nq * pn);
-  Prob* const probs =
-      Ops::kProbsInPlace ? reinterpret_cast<Prob*>(scores.data()) : prob_store.data();
+  Prob* const probs = Ops::kProbsInPlace ? reinterpret_cast<Prob*>(scores)
+                                         : scratch<Prob, 2>(nq * pn);
   // use(hk, pos, m): the tile holds KV head hk's rows for positions pos..pos+m-1.
   auto for_each_tile = [&](const kv_t* cache, auto&& widen, auto&& use) {
     for_each_block(cache, [&](int64_t first, int64_t count, const kv_t* base, const kv_t* next) {
@@ -381,11 +392,11 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   auto widen_v = [&](auto... a) { ops.widen_v(a...); };
   for_each_tile(kc, widen_k, [&](int64_t hk, int64_t pos, int64_t m) {
     for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
-      ops.scores_tile(tile_p, m, qv[qi], scale, scores.data() + qi * n + pos);
+      ops.scores_tile(tile_p, m, qv[qi], scale, scores + qi * n + pos);
   });
   std::vector<float> inv_sum(nq);
   for (int64_t qi = 0; qi < nq; ++qi)
-    inv_sum[qi] = ops.probs(scores.data() + qi * n, last[qi] + 1, probs + qi * pn, pn);
+    inv_sum[qi] = ops.probs(scores + qi * n, last[qi] + 1, probs + qi * pn, pn);
   for_each_tile(vc, widen_v, [&](int64_t hk, int64_t pos, int64_t m) {
     for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
       const int64_t use = std::min(m, last[qi] + 1 - pos);
