@@ -55,16 +55,8 @@ class NeuronBaseModel(nn.Module):
         index = (seq_ids, position_ids, slot_mapping, block_table)
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, hidden.dtype)
-        paged = self.kv_mgr.paged_attention is not None
+        mask = self._masks(position_ids, kv_len, mixed, hidden.dtype)
         extra = {} if mixed is None else {"mixed": mixed}
-        if paged:
-            mask = None
-        elif mixed is None:
-            mask = self._attention_mask(position_ids, kv_len, hidden.dtype)
-        else:  # the chunk's [1, 1, C, kv_len] and the decode rows' [R, 1, 1, kv_len]
-            mask = (self._attention_mask(position_ids[:, :mixed], kv_len, hidden.dtype),
-                    self._attention_mask(position_ids[:, mixed:].transpose(0, 1), kv_len,
-                                         hidden.dtype))
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, mask, kv_cache, i, self.kv_mgr, index, kv_len, **extra)
         if mixed is None:
@@ -77,6 +69,16 @@ class NeuronBaseModel(nn.Module):
             return (logits,)
         tokens = self.sampler(logits, sampling_params, rand)
         return (tokens, logits) if self.neuron_config.output_logits else (tokens,)
+
+    def _masks(self, position_ids, kv_len, mixed, dtype):
+        """The call's attention mask: None with the paged kernel (it needs none); for a mixed
+        call the pair (the chunk's [1, 1, C, kv_len], the decode rows' [R, 1, 1, kv_len])."""
+        if self.kv_mgr.paged_attention is not None:
+            return None
+        if mixed is None:
+            return self._attention_mask(position_ids, kv_len, dtype)
+        return (self._attention_mask(position_ids[:, :mixed], kv_len, dtype),
+                self._attention_mask(position_ids[:, mixed:].transpose(0, 1), kv_len, dtype))
 
     @staticmethod
     def _attention_mask(position_ids, kv_len, dtype):
