@@ -73,7 +73,9 @@ class DecodeEngine:
         self._local: deque[Sequence] = deque()  # local prefills: the one begun, then by arrival
         self.chunk = model.neuron_config.prefill_chunk_size
         self._mixed = getattr(model, "mixed_model", None) is not None
-        self._live: set[str] = set()  # admitted and not dropped
+        # admitted and not released, by request id: a command or release for a sequence acts
+        # only while its id still maps to it (an id may be reused once its sequence finished)
+        self._live: dict[str, Sequence] = {}
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._stopping = False
         self.scratch_slot = model.scratch[1] * config.block_size
@@ -102,10 +104,11 @@ class DecodeEngine:
                     f"{self.blocks.blocks_needed(len(prompt) + max_tokens)}, "
                     f"{self.blocks.num_free_blocks} free of {self.blocks.num_blocks}")
             alloc = self.blocks.allocate(rid, prompt, max_tokens)
-            self._live.add(rid)
-        return Sequence(job, max_tokens, alloc.block_table, alloc.num_cached_tokens,
-                        OutputText(self.tokenizer, job.stop.stop_strings), self.eos_ids, emit,
-                        request_generator(job.sampling.seed))
+            seq = Sequence(job, max_tokens, alloc.block_table, alloc.num_cached_tokens,
+                           OutputText(self.tokenizer, job.stop.stop_strings), self.eos_ids, emit,
+                           request_generator(job.sampling.seed))
+            self._live[rid] = seq
+        return seq
 
     def write_kv(self, seq: Sequence, write) -> None:
         """Store a validated chunk (kv_transfer.ChunkWrite) in the sequence's blocks."""
@@ -123,7 +126,7 @@ class DecodeEngine:
     def mark_prompt_ready(self, seq: Sequence) -> None:
         """The prompt's KV is in place (pulled): seal its blocks for reuse and run it."""
         with self._blocks_lock:
-            if seq.request_id in self._live:
+            if self._is_live(seq):
                 self.blocks.mark_computed(seq.request_id, seq.prompt_len)
         self._commands.put(("ready", seq))
 
@@ -135,10 +138,14 @@ class DecodeEngine:
         self._commands.put(("drop", seq))
 
     def release(self, seq: Sequence) -> None:
+        """Free the sequence's blocks, once; nothing when its id now names a newer sequence."""
         with self._blocks_lock:
-            if seq.request_id in self._live:
-                self._live.discard(seq.request_id)
+            if self._is_live(seq):
+                del self._live[seq.request_id]
                 self.blocks.free(seq.request_id)
+
+    def _is_live(self, seq: Sequence) -> bool:
+        return self._live.get(seq.request_id) is seq
 
     def load(self) -> dict:
         with self._blocks_lock:
@@ -194,8 +201,8 @@ class DecodeEngine:
             if seq in self._local:
                 self._local.remove(seq)
             self.release(seq)
-        elif seq is not None and seq.request_id not in self._live:
-            return  # dropped before this command arrived
+        elif seq is not None and not self._is_live(seq):
+            return  # dropped (or finished) before this command arrived
         elif kind == "ready" and not seq.finished:
             self.scheduler.add_ready(seq)
         elif kind == "local":

@@ -16,7 +16,7 @@ from nxdi_common.serving.detokenize import OutputText
 from nxdi_common.serving.sampling import next_uniform
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: two with equal fields are still two requests
 class Sequence:
     job: t.DecodeJob
     max_tokens: int

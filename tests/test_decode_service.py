@@ -188,6 +188,43 @@ def test_cancel_mid_stream_frees_blocks(decode):
     wait_for_idle(decode.grpc)
 
 
+def test_a_request_id_reused_after_it_finished_keeps_its_own_blocks(tiny_chat_model, reference):
+    """The engine frees a finished sequence at once, and its stream's end then queues a drop
+    for it; a client may send the same request id again before the engine thread sees that
+    drop. The late drop must not free the new sequence's blocks or ignore its commands (it did:
+    the id alone decided, and the new request waited forever)."""
+    import threading
+
+    from decode_service.main import build, parse_args
+    from nxdi_common.serving.types import DecodeJob, SamplingOptions
+    _, engine, _, _ = build(parse_args(
+        ["--model", str(tiny_chat_model), "--dtype", "float32", "--backend", "eager",
+         "--threads", "1", "--max-model-len", str(MAX_LEN), "--kv-blocks", "24",
+         "--block-size", "16", "--max-batch-size", "4"]))
+    job = DecodeJob("same-id", tuple(range(300, 330)), SamplingOptions(temperature=0.0))
+    first = engine.admit(job, 4, lambda item: None)
+    engine.release(first)  # finished: freed by the engine thread
+    engine.drop(first)  # the stream's end: a drop, not yet applied
+    tokens, done = [], threading.Event()
+
+    def emit(item):
+        tokens.append(item.token_id)
+        if len(tokens) == 4:
+            done.set()
+    second = engine.admit(job, 4, emit)
+    engine.submit_local_prefill(second)
+    used = engine.load()["kv_blocks_used"]
+    engine._apply_commands(block=False)  # the old drop, then the new prefill, on this thread
+    assert engine.load()["kv_blocks_used"] == used == 3  # 30 + 4 tokens in blocks of 16
+    engine.start()
+    try:
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    assert tokens == greedy(reference, list(job.prompt_ids), 4)
+    assert engine.load()["kv_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("req, field", [
     (request("b1", [], 5), "prompt_token_ids"),
     (request("b2", [1] * MAX_LEN, 5), "prompt_token_ids"),
