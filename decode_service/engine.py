@@ -162,26 +162,33 @@ class DecodeEngine:
             self._apply_commands(block=idle)
             if self._stopping:
                 break
-            if self._local:
-                seq = self._next_local()
-                self._local.remove(seq)
-                batch = self.scheduler.next_batch() if self._mixes(seq) else []
-                if batch:  # this step's decode rows ride in the piece's call
-                    self._guarded(self._mixed_step, [seq] + batch, (seq, batch))
-                    if self.metrics is not None:
-                        self.metrics.decode_steps_total.inc()
-                        self.metrics.mixed_steps_total.inc()
-                    self._update_gauges()
-                    continue
-                self._guarded(self._prefill_piece, [seq], seq)
-            batch = self.scheduler.next_batch()
-            groups = self._decode_groups(batch)
-            for group in groups:
-                self._guarded(self._decode_step, group, group)
-            if groups and self.metrics is not None:
-                self.metrics.decode_steps_total.inc()
-                self.metrics.token_generation_calls_total.inc(len(groups))
+            if not (self._local and self._local_piece()):
+                self._decode_calls()
             self._update_gauges()
+
+    def _local_piece(self) -> bool:
+        """The next piece of a local prefill; True when the running batch's decode step rode in
+        its call (then the step is done)."""
+        seq = self._next_local()
+        self._local.remove(seq)
+        batch = self.scheduler.next_batch() if self._mixes(seq) else []
+        if not batch:
+            self._guarded(self._prefill_piece, [seq], seq)
+            return False
+        self._guarded(self._mixed_step, [seq] + batch, (seq, batch))
+        if self.metrics is not None:
+            self.metrics.decode_steps_total.inc()
+            self.metrics.mixed_steps_total.inc()
+        return True
+
+    def _decode_calls(self) -> None:
+        """The running batch's decode step as token-generation calls of its own."""
+        groups = self._decode_groups(self.scheduler.next_batch())
+        for group in groups:
+            self._guarded(self._decode_step, group, group)
+        if groups and self.metrics is not None:
+            self.metrics.decode_steps_total.inc()
+            self.metrics.token_generation_calls_total.inc(len(groups))
 
     def _apply_commands(self, block: bool) -> None:
         try:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from nxdi_common.application_base import NeuronApplicationBase
+from nxdi_common.models.base import GRAPH_INPUT_NAMES
 from nxdi_common.model_wrapper import (CHUNKED_PREFILL_MODEL_TAG, CONTEXT_ENCODING_MODEL_TAG,
                                        MIXED_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG, ModelWrapper)
 from nxdi_common.modules.sampling import SamplingRandomSource, sampling_params_from_config
@@ -177,11 +178,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def _run_token_gen(self, input_ids, position_ids, seq_ids, sampling_params, slots, table,
                        rand=None):
         position_ids = self._token_gen_positions(input_ids, position_ids, seq_ids)
-        b = input_ids.shape[0]
-        mask = torch.ones(b, 1, dtype=torch.long)
-        slots, table = self._block_indices(seq_ids, position_ids, mask, slots, table)
-        params, rand = self._sampling_inputs(b, sampling_params, rand)
-        inputs = (input_ids.long(), mask, position_ids, seq_ids, params, rand, slots, table)
+        inputs = self._graph_inputs(input_ids, position_ids, seq_ids, sampling_params, slots,
+                                    table, rand)
         outputs = self.token_generation_model(inputs, self.kv_cache, self.weights, self.scratch)
         self.next_positions[seq_ids.long()] = position_ids[:, 0] + 1
         return self._output(outputs)
@@ -204,11 +202,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         """One piece of one prompt: input_ids and position_ids [1, S], S <= prefill_chunk_size;
         the positions before it must be in the cache (block_table). Samples from its last token."""
         position_ids = self._chunk_positions(input_ids, position_ids)
-        b, s = input_ids.shape
-        mask = torch.ones(b, s, dtype=torch.long)
-        slots, table = self._block_indices(seq_ids, position_ids, mask, slots, table)
-        params, rand = self._sampling_inputs(b, sampling_params, rand)
-        inputs = (input_ids.long(), mask, position_ids, seq_ids, params, rand, slots, table)
+        inputs = self._graph_inputs(input_ids, position_ids, seq_ids, sampling_params, slots,
+                                    table, rand)
         outputs = self.chunked_prefill_model(inputs, self.kv_cache, self.weights, self.scratch)
         self.next_positions[seq_ids.long()] = position_ids[:, -1] + 1
         self.kv_cache_populated = True
@@ -237,30 +232,38 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         d_seq = self._seq_ids(decode.get("input_ids"), decode.get("seq_ids"))
         c_pos = self._chunk_positions(chunk["input_ids"], chunk["position_ids"])
         d_pos = self._token_gen_positions(decode["input_ids"], decode.get("position_ids"), d_seq)
-        c, d = self._graph_part(chunk, c_seq, c_pos), self._graph_part(decode, d_seq, d_pos)
-        width = max(c["table"].shape[1], d["table"].shape[1])
-        tables = [F.pad(t, (0, width - t.shape[1]), value=self.scratch[1])
-                  for t in (c["table"], d["table"])]
+        c, d = ({name: t for name, t in zip(GRAPH_INPUT_NAMES, self._graph_inputs(
+                    part["input_ids"], pos, seq, part.get("sampling_params"),
+                    part.get("slot_mapping"), part.get("block_table"), part.get("rand")))}
+                for part, pos, seq in ((chunk, c_pos, c_seq), (decode, d_pos, d_seq)))
 
         def tokens(name):  # the chunk's [1, S] and the decode rows' [R, 1] as one [1, S + R]
             return torch.cat([c[name], d[name].reshape(1, -1)], dim=1)
-        inputs = (tokens("ids"), torch.ones_like(tokens("ids")), tokens("pos"),
-                  torch.cat([c_seq, d_seq]), torch.cat([c["params"], d["params"]]),
-                  torch.cat([c["rand"], d["rand"]]), tokens("slots"), torch.cat(tables))
+
+        def rows(name):  # per sequence: the chunk's row first
+            return torch.cat([c[name], d[name]])
+        width = max(c["block_table"].shape[1], d["block_table"].shape[1])
+        for part in (c, d):
+            part["block_table"] = F.pad(part["block_table"],
+                                        (0, width - part["block_table"].shape[1]),
+                                        value=self.scratch[1])
+        inputs = (tokens("input_ids"), tokens("attention_mask"), tokens("position_ids"),
+                  rows("seq_ids"), rows("sampling_params"), rows("rand"), tokens("slot_mapping"),
+                  rows("block_table"))
         outputs = self.mixed_model(inputs, self.kv_cache, self.weights, self.scratch)
         self.next_positions[c_seq.long()] = c_pos[:, -1] + 1
         self.next_positions[d_seq.long()] = d_pos[:, 0] + 1
         self.kv_cache_populated = True
         return self._output(outputs)
 
-    def _graph_part(self, args: dict, seq_ids, positions) -> dict:
-        """One part of a mixed call as graph tensors: ids, pos, slots, table, params, rand."""
-        b = positions.shape[0]
-        slots, table = self._block_indices(seq_ids, positions, torch.ones_like(positions),
-                                           args.get("slot_mapping"), args.get("block_table"))
-        params, rand = self._sampling_inputs(b, args.get("sampling_params"), args.get("rand"))
-        return dict(ids=args["input_ids"].long(), pos=positions, slots=slots, table=table,
-                    params=params, rand=rand)
+    def _graph_inputs(self, input_ids, positions, seq_ids, sampling_params, slots, table,
+                      rand) -> tuple:
+        """The 8 graph inputs of a call whose every token is real (token generation, a chunk):
+        checked positions [B, S] given."""
+        mask = torch.ones_like(positions)
+        slots, table = self._block_indices(seq_ids, positions, mask, slots, table)
+        params, rand = self._sampling_inputs(positions.shape[0], sampling_params, rand)
+        return (input_ids.long(), mask, positions, seq_ids, params, rand, slots, table)
 
     def _chunk_positions(self, input_ids, position_ids) -> torch.Tensor:
         """Checked [1, S] positions of a chunk of a prompt."""

@@ -71,12 +71,17 @@ class NeuronAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype, device=device)
 
+    def _qkv_heads(self, x):
+        """The fused QKV projection of x as heads: [B, S, H + 2Hkv, D] (q, then k, then v)."""
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        return self.qkv_proj(x).unflatten(-1, (h + 2 * hkv, d))
+
     def project(self, x, cos, sin):
         """Rotated q [B, H, S, D] and k [B, Hkv, S, D], and v [B, Hkv, S, D], from hidden states
         x [B, S, hidden]. Head counts and sizes are the module's ints, never read from x."""
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.fused_qkv:
-            heads = self.qkv_proj(x).unflatten(-1, (h + 2 * hkv, d))  # [B, S, H + 2Hkv, D]
+            heads = self._qkv_heads(x)
             if self.q_norm is None and self.fused is not None:  # the same RoPE, one op
                 q, k, v = self.fused.rope_qk(heads, cos, sin, h + hkv).transpose(1, 2).split(
                     [h, hkv, hkv], dim=1)
@@ -109,9 +114,8 @@ class NeuronAttention(nn.Module):
         Returns residual + attention output when residual is given."""
         if kv_len is not None and self._stores_in_one_op(kv_mgr, x.dtype):
             # attention reads this call's keys from the cache: rotate and store them in one op
-            h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-            heads = self.qkv_proj(x).unflatten(-1, (h + 2 * hkv, d))  # [B, S, H + 2Hkv, D]
-            q = self.fused.rope_qk_store(heads, cos, sin, h, cache, layer, index[2]).transpose(1, 2)
+            q = self.fused.rope_qk_store(self._qkv_heads(x), cos, sin, self.num_heads, cache, layer,
+                                         index[2]).transpose(1, 2)
             k = v = None
         else:
             q, k, v = self.project(x, cos, sin)
