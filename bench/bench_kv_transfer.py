@@ -5,9 +5,12 @@ HTTP/2 channel option set, beside raw loopback TCP measured in the same run.
 
 Starts 1 prefill worker pinned to CPU 0 (and a decode worker on CPU 1, as the quick start runs
 them), pins this process (the receiver: every chunk validated and copied into K/V tensors as the
-decode worker does) to --receiver-cpu, and streams 1024-token prompts' KV, timed from the first-token event (sent just before the
-first chunk) to the end of the stream. Also measures the gRPC transport alone (the same stream
-of bytes-only messages, no KV logic) to show its own ceiling here. bench_serving.py
+decode worker does) to --receiver-cpu, and streams 1024-token prompts' KV, timed from the
+first-token event (sent just before the first chunk or the KV socket offer) to the end of the
+stream: first over the prefill worker's KV socket (the default data path), then as kv_chunk
+events on the gRPC stream with each HTTP/2 option set. Also measures the gRPC transport alone
+(the same stream of bytes-only messages, no KV logic) to show its own ceiling here. Raw
+loopback TCP is measured before and after; ratios use the faster of the two. bench_serving.py
 measures the same with the receiver unpinned, which moves the figure a lot on two cores."""
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import bench_serving as bs  # noqa: E402
 from decode_service import convert as decode_convert  # noqa: E402
 from nxdi_common import kv_transfer  # noqa: E402
 from nxdi_common.runtime import keep_large_buffers_in_heap  # noqa: E402
+from nxdi_common.serving import kv_socket  # noqa: E402
 from nxdi_common.serving.launcher import Cluster, LaunchSpec  # noqa: E402
 from protos.nxdi.serving.v1 import serving_pb2 as pb  # noqa: E402
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc  # noqa: E402
@@ -41,26 +45,51 @@ OPTION_SETS = {
 }
 
 
-async def transfer_rate(addr: str, fingerprint, chunk: int, extra: list, repeats: int) -> float:
+async def transfer_rate(addr: str, fingerprint, chunk: int, extra: list, repeats: int,
+                        socket: bool = False, tokens: int = 1024) -> tuple[float, float]:
+    """Median (bytes/s, seconds) of ``repeats`` transfers of a ``tokens``-token prompt's KV."""
     options = [("grpc.max_receive_message_length", kv_transfer.max_message_bytes(chunk)), *extra]
-    rates = []
+    rates, times = [], []
     async with grpc.aio.insecure_channel(addr, options=options) as channel:
         prefill = decode_convert.prefill_call(channel)
         for r in range(repeats + 1):  # the first is warm-up
-            rate, _ = await bs._one_transfer(prefill, fingerprint, bs.prompt(1024, 700 + r), chunk)
+            rate, size = await bs._one_transfer(prefill, fingerprint,
+                                                bs.prompt(tokens, 700 + r), chunk,
+                                                kv_socket.split_host(addr) if socket else None)
             if r:
                 rates.append(rate)
-    return statistics.median(rates)
+                times.append(size / rate)
+    return statistics.median(rates), statistics.median(times)
 
 
-async def measure(addr: str, chunk_kib: list[int], repeats: int, option_sets: list[str]) -> dict:
+async def small_prompts(addr: str, fingerprint, tokens: list[int], repeats: int) -> None:
+    """Transfer time of short prompts' KV on each path (default chunk size): the KV socket's
+    connection set-up against the stream's messages."""
+    for n in tokens:
+        chunk = kv_transfer.DEFAULT_MAX_CHUNK_BYTES
+        (_, t_socket), (_, t_stream) = [
+            await transfer_rate(addr, fingerprint, chunk, [], repeats, socket=s, tokens=n)
+            for s in (True, False)]
+        print(f"{n:5d}-token prompt: KV socket {t_socket * 1e3:6.2f} ms, stream "
+              f"{t_stream * 1e3:6.2f} ms (medians)", flush=True)
+
+
+async def measure(addr: str, chunk_kib: list[int], repeats: int, option_sets: list[str],
+                  short_tokens: list[int]) -> dict:
     async with grpc.aio.insecure_channel(addr) as channel:
         load = await pb_grpc.PrefillStub(channel).GetLoad(pb.GetLoadRequest())
+    await small_prompts(addr, load.fingerprint, short_tokens, repeats)
     out = {}
+    for kib in chunk_kib:
+        out[("KV socket", kib)] = (await transfer_rate(addr, load.fingerprint, kib << 10, [],
+                                                       repeats, socket=True))[0]
+        print(f"{'KV socket':18s} {kib:6d} KiB chunks: {out[('KV socket', kib)] / 1e9:5.2f} GB/s",
+              flush=True)
     for name in option_sets:
         extra = OPTION_SETS[name]
         for kib in chunk_kib:
-            out[(name, kib)] = await transfer_rate(addr, load.fingerprint, kib << 10, extra, repeats)
+            out[(name, kib)] = (await transfer_rate(addr, load.fingerprint, kib << 10, extra,
+                                                    repeats))[0]
             print(f"{name:18s} {kib:6d} KiB chunks: {out[(name, kib)] / 1e9:5.2f} GB/s", flush=True)
     return out
 
@@ -128,6 +157,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-kib", type=int, nargs="+", default=[512, 1024, 4096, 16384])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--receiver-cpu", type=int, default=1)
+    p.add_argument("--short-prompts", type=int, nargs="*", default=[16, 128],
+                   help="also time the transfer of these prompt lengths' KV on both paths")
     p.add_argument("--option-sets", nargs="+", default=list(OPTION_SETS), choices=list(OPTION_SETS),
                    help="HTTP/2 channel option sets to measure the KV transfer with")
     args = p.parse_args(argv)
@@ -140,16 +171,24 @@ def main(argv=None) -> int:
     measure_transport(args.chunk_kib, args.repeats, args.receiver_cpu)
     spec = LaunchSpec(prefill_workers=1, decode_workers=1, threads=1,
                       cpus={"prefill0": [0], "decode0": [1]},
-                      prefill_args=["--max-chunk-bytes", str(max(args.chunk_kib) << 10)])
+                      # --kv-socket-min-bytes 0: offer the socket for short prompts too, to
+                      # time both paths there
+                      prefill_args=["--max-chunk-bytes", str(max(args.chunk_kib) << 10),
+                                    "--kv-socket-min-bytes", "0"])
     with Cluster(spec) as cluster:
         os.sched_setaffinity(0, {args.receiver_cpu})
         # One torch thread on one core, as the decode worker runs (two OpenMP threads sharing a
         # core made every chunk's copy wait ~16 ms for a scheduler slice).
         torch.set_num_threads(1)
         rates = asyncio.run(measure(cluster.worker("prefill", 0).grpc, args.chunk_kib,
-                                    args.repeats, args.option_sets))
-    best = max(rates.values())
-    print(f"best: {best / 1e9:.2f} GB/s = {best / tcp:.0%} of raw loopback TCP")
+                                    args.repeats, args.option_sets, args.short_prompts))
+    tcp_after = bs.raw_tcp_bytes_per_second()
+    print(f"raw loopback TCP again: {tcp_after / 1e9:.2f} GB/s", flush=True)
+    tcp = max(tcp, tcp_after)  # the faster probe: the ratios below are not flattered by a slow one
+    for path in ("KV socket", "stream"):
+        best = max(v for (name, _), v in rates.items() if (name == "KV socket") == (path == "KV socket"))
+        print(f"best {path}: {best / 1e9:.2f} GB/s = {best / tcp:.0%} of raw loopback TCP "
+              f"({tcp / 1e9:.2f} GB/s)")
     return 0
 
 

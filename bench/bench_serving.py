@@ -29,6 +29,7 @@ import torch
 from decode_service import convert as decode_convert
 from nxdi_common import kv_transfer
 from nxdi_common.modules.kv_cache import write_prompt_range
+from nxdi_common.serving import kv_socket
 from nxdi_common.serving.launcher import Cluster, LaunchSpec
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
@@ -42,8 +43,9 @@ def _tcp_sink(port_queue) -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         port_queue.put(server.getsockname()[1])
         conn, _ = server.accept()
+        buffer = bytearray(TCP_WRITE)  # one buffer: a fresh one per read would time the allocator
         with conn:
-            while conn.recv_into(bytearray(TCP_WRITE)):
+            while conn.recv_into(buffer):
                 pass
 
 
@@ -99,17 +101,26 @@ def _receiver_cache(fp, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
     return cache, table[:blocks // 2]
 
 
-async def _one_transfer(prefill, fingerprint, ids, chunk_bytes) -> tuple[float, int]:
+async def _one_transfer(prefill, fingerprint, ids, chunk_bytes,
+                        socket_host: str | None = None) -> tuple[float, int]:
     """(bytes/s, payload bytes) of one Prefill stream read as the decode worker reads it
     (``prefill``: decode_service.convert.prefill_call of a channel): each event parsed by the
     worker's convert module, each chunk validated and written into a block cache through a
-    block table by the worker's own function."""
+    block table by the worker's own function. With ``socket_host`` (the prefill worker's host)
+    the KV socket is accepted and its chunks are read on a thread, as the decode worker does."""
     fp = kv_transfer.fingerprint_from_proto(fingerprint)
     reservation = kv_transfer.Reservation.for_model(fp, "bench", len(ids))
     cache, table = _receiver_cache(fp, len(ids))
     req = pb.PrefillRequest(request_id="bench", prompt_token_ids=ids, fingerprint=fingerprint,
                             sampling=pb.SamplingParams(temperature=0),
-                            max_chunk_bytes=chunk_bytes)
+                            max_chunk_bytes=chunk_bytes, accept_kv_socket=socket_host is not None)
+
+    def store(chunk) -> int:
+        w = kv_transfer.decode_chunk(chunk, reservation)
+        for which, part in enumerate((w.k, w.v)):
+            write_prompt_range(cache[w.layers, which], table, w.tokens.start, part, w.heads)
+        return len(chunk.k) + len(chunk.v)
+
     # The clock starts when the first token arrives: the worker sends it just before the first
     # chunk, so the first chunk's own transfer is counted (starting at the first chunk's arrival
     # left it out, which flattered large chunks: one chunk looked nearly free).
@@ -119,10 +130,12 @@ async def _one_transfer(prefill, fingerprint, ids, chunk_bytes) -> tuple[float, 
         if kind == "first_token":
             start = time.perf_counter()
         if kind == "kv_chunk":
-            w = kv_transfer.decode_chunk(chunk, reservation)
-            for which, part in enumerate((w.k, w.v)):
-                write_prompt_range(cache[w.layers, which], table, w.tokens.start, part, w.heads)
-            payload += len(chunk.k) + len(chunk.v)
+            payload += store(chunk)
+        if kind == "kv_socket":
+            port, token = chunk
+            payload += (await kv_socket.receive(
+                socket_host, port, token, lambda f: store(decode_convert.prefill_event(f)[1]),
+                kv_transfer.max_message_bytes(chunk_bytes)))[1]
     return payload / (time.perf_counter() - start), payload
 
 

@@ -31,12 +31,13 @@ def job_from_proto(req: pb.DecodeRequest) -> t.DecodeJob:
 
 
 def prefill_request(job: t.DecodeJob, fingerprint: kv_transfer.ModelFingerprint,
-                    kv_token_start: int, max_chunk_bytes: int) -> pb.PrefillRequest:
+                    kv_token_start: int, max_chunk_bytes: int,
+                    accept_kv_socket: bool = False) -> pb.PrefillRequest:
     return pb.PrefillRequest(
         request_id=job.request_id, prompt_token_ids=job.prompt_ids,
         sampling=sampling_to_proto(job.sampling),
         fingerprint=kv_transfer.fingerprint_to_proto(fingerprint), kv_token_start=kv_token_start,
-        max_chunk_bytes=max_chunk_bytes)
+        max_chunk_bytes=max_chunk_bytes, accept_kv_socket=accept_kv_socket)
 
 
 def prefill_call(channel):
@@ -49,8 +50,8 @@ def prefill_call(channel):
 
 def prefill_event(data: bytes):
     """The serialized PrefillEvent ``data`` as ("first_token", (token_id, logprob,
-    top_logprobs)) | ("kv_chunk", KVChunkData, its K and V views of ``data``) | ("done", None)
-    | (None, None) when no event is set. FailedPrecondition when it is not a PrefillEvent."""
+    top_logprobs)) | ("kv_chunk", KVChunkData, its K and V views of ``data``) | ("kv_socket",
+    (port, token)) | ("done", None) | (None, None) when no event is set. FailedPrecondition when it is not a PrefillEvent."""
     chunk = kv_transfer.chunk_from_event_bytes(data)
     if chunk is not None:
         return "kv_chunk", chunk
@@ -65,6 +66,8 @@ def prefill_event(data: bytes):
         return kind, (ft.token_id, logprob, logprobs_from_proto(ft.top_logprobs))
     if kind == "kv_chunk":
         return kind, kv_transfer.chunk_from_proto(event.kv_chunk)
+    if kind == "kv_socket":
+        return kind, (event.kv_socket.port, event.kv_socket.token)
     return kind, None
 
 

@@ -5,7 +5,12 @@ straight to the client, then every KV chunk is validated against the reservation
 length, checksum) before it is written. A candidate that fails in any way (unreachable, refuses,
 breaks the stream, sends a bad chunk, ends with KV missing) is abandoned, its stream cancelled, and
 the next one is tried; the blocks simply get overwritten. The first token is taken once, from the
-first candidate that sends one."""
+first candidate that sends one.
+
+When the prefill worker offers a KV socket (nxdi_common.serving.kv_socket), the chunks are read
+from that connection on a worker thread, validated and written exactly as stream chunks are; the
+stream still has to end with done. If the connection cannot be made, the prefill worker sends the
+chunks on the stream once its offer times out."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +22,7 @@ from decode_service import convert
 from decode_service.engine import DecodeEngine
 from decode_service.sequence import Sequence
 from nxdi_common import kv_transfer
+from nxdi_common.serving import kv_socket
 from nxdi_common.serving.errors import FailedPrecondition, ServingError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -48,9 +54,11 @@ class KVPuller:
     """Runs the pull for one sequence (see the module doc)."""
 
     def __init__(self, engine: DecodeEngine, channels: PrefillChannels, fingerprint,
-                 max_chunk_bytes: int, metrics=None, timeout_seconds: float | None = None):
+                 max_chunk_bytes: int, metrics=None, timeout_seconds: float | None = None,
+                 kv_socket: bool = True):
         self.engine, self.channels, self.fingerprint = engine, channels, fingerprint
         self.max_chunk_bytes, self.metrics, self.timeout = max_chunk_bytes, metrics, timeout_seconds
+        self.kv_socket = kv_socket  # accept the prefill worker's KV socket offers
         self.open_transfers = 0
 
     async def pull(self, seq: Sequence, candidates: tuple[str, ...]) -> bool:
@@ -74,7 +82,8 @@ class KVPuller:
         reservation = kv_transfer.Reservation.for_model(self.fingerprint, seq.request_id,
                                                         seq.prompt_len, start)
         coverage = kv_transfer.KVCoverage(reservation)
-        request = convert.prefill_request(seq.job, self.fingerprint, start, self.max_chunk_bytes)
+        request = convert.prefill_request(seq.job, self.fingerprint, start, self.max_chunk_bytes,
+                                          self.kv_socket)
         call = self.channels.prefill(address)(request, timeout=self.timeout)
         self.open_transfers += 1
         began, payload = time.perf_counter(), 0
@@ -85,7 +94,8 @@ class KVPuller:
             # would count as a cancelled one there.
             async for event in call:
                 kind, data = convert.prefill_event(event)
-                if last == "done" or (last is None) != (kind == "first_token"):
+                if (last == "done" or (last is None) != (kind == "first_token")
+                        or (kind == "kv_socket" and last != "first_token")):
                     raise FailedPrecondition(f"prefill stream out of order: {kind} after "
                                              f"{last or 'nothing'}")
                 last = kind
@@ -94,6 +104,9 @@ class KVPuller:
                         return False
                 elif kind == "kv_chunk":
                     payload += self._write_chunk(seq, data, reservation, coverage)
+                elif kind == "kv_socket":
+                    payload += await self._receive_socket(address, data, seq, reservation,
+                                                          coverage)
             if not coverage.complete:
                 raise FailedPrecondition(f"prefill stream from {address} ended with "
                                          f"{coverage.missing} KV values missing")
@@ -110,6 +123,33 @@ class KVPuller:
             token_id, logprob, top = data
             seq.add_token(token_id, logprob, top)
         return seq.finished
+
+    async def _receive_socket(self, address: str, offer, seq, reservation, coverage) -> int:
+        """Read the chunks from the offered KV socket; their payload bytes (0 when it could not
+        be reached: they come on the stream then)."""
+        port, token = offer
+        if not self.kv_socket:
+            raise FailedPrecondition("prefill stream offered a kv_socket this worker did not ask for")
+        if not 0 < port < 65536 or len(token) != kv_socket.TOKEN_BYTES:
+            raise FailedPrecondition(f"kv_socket: port {port} and a {len(token)}-byte token; "
+                                     f"expected 1..65535 and {kv_socket.TOKEN_BYTES} bytes")
+
+        def on_frame(frame: memoryview) -> int:
+            kind, chunk = convert.prefill_event(frame)
+            if kind != "kv_chunk":
+                raise FailedPrecondition(f"kv_socket: a frame holds a {kind} event, not a kv_chunk")
+            return self._write_chunk(seq, chunk, reservation, coverage)
+
+        host = kv_socket.split_host(address)
+        try:
+            _, payload = await kv_socket.receive(
+                host, port, token, on_frame, kv_transfer.max_message_bytes(self.max_chunk_bytes))
+        except ConnectionRefusedError as exc:
+            log.warning("%s; the chunks of %s will come on the stream", exc, seq.request_id)
+            return 0
+        except OSError as exc:
+            raise Unavailable(f"KV socket {host}:{port} of {address} broke: {exc}") from None
+        return payload
 
     def _write_chunk(self, seq, chunk, reservation, coverage) -> int:
         write = kv_transfer.decode_chunk(chunk, reservation)

@@ -42,6 +42,10 @@ def parse_args(argv=None):
                    help="fixed cost of one more token-generation call, in row-tokens of "
                    "attention: a step runs short and long sequences apart when that saves more")
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES)
+    p.add_argument("--kv-socket", choices=("on", "off"), default="on",
+                   help="take prompt KV over the prefill worker's direct TCP connection when it "
+                        "offers one (the gRPC stream stays the control path); off: on the "
+                        "stream only")
     p.add_argument("--kv-pull-timeout-seconds", type=float, default=600.0)
     return p.parse_args(argv)
 
@@ -64,7 +68,7 @@ def build(args):
                           metrics)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))
     puller = KVPuller(engine, channels, fingerprint, args.max_chunk_bytes, metrics,
-                      args.kv_pull_timeout_seconds)
+                      args.kv_pull_timeout_seconds, kv_socket=args.kv_socket == "on")
     limits = ModelLimits(opts.max_model_len, model.config.vocab_size)
     servicer = DecodeServicer(engine, puller, limits, fingerprint,
                               args.local_prefill_max_tokens, metrics)

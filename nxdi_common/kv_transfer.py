@@ -493,13 +493,19 @@ def _len_prefix(field: int, size: int) -> bytes:
     return _varint(field << 3 | _WIRE_LEN) + _varint(size)
 
 
-def chunk_event_bytes(chunk: KVChunkData) -> bytes:
-    """The serialized ``PrefillEvent{kv_chunk: chunk}``, K and V copied once (see above)."""
+def chunk_event_parts(chunk: KVChunkData) -> tuple:
+    """The serialized ``PrefillEvent{kv_chunk: chunk}`` as buffers to send one after the other:
+    the event and chunk header bytes, K (``chunk.k`` itself), V's field prefix, V (``chunk.v``)."""
     header = chunk_to_proto(dataclasses.replace(chunk, k=b"", v=b"")).SerializeToString()
     k_prefix, v_prefix = _len_prefix(_CHUNK_K, len(chunk.k)), _len_prefix(_CHUNK_V, len(chunk.v))
     body_size = len(header) + len(k_prefix) + len(chunk.k) + len(v_prefix) + len(chunk.v)
-    return b"".join((_len_prefix(_EVENT_KV_CHUNK, body_size), header, k_prefix, chunk.k,
-                     v_prefix, chunk.v))
+    return (_len_prefix(_EVENT_KV_CHUNK, body_size) + header + k_prefix, chunk.k, v_prefix,
+            chunk.v)
+
+
+def chunk_event_bytes(chunk: KVChunkData) -> bytes:
+    """The serialized ``PrefillEvent{kv_chunk: chunk}``, K and V copied once (see above)."""
+    return b"".join(chunk_event_parts(chunk))
 
 
 def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:

@@ -53,7 +53,8 @@ def job_from_proto(msg: serving_pb2.PrefillRequest) -> PrefillJob:
     return PrefillJob(
         request_id=msg.request_id, prompt_ids=tuple(msg.prompt_token_ids),
         sampling=sampling_from_proto(msg.sampling), kv_token_start=msg.kv_token_start,
-        head_start=msg.head_start, head_end=msg.head_end, max_chunk_bytes=msg.max_chunk_bytes)
+        head_start=msg.head_start, head_end=msg.head_end, max_chunk_bytes=msg.max_chunk_bytes,
+        accept_kv_socket=msg.accept_kv_socket)
 
 
 def first_token_event(first: FirstTokenResult) -> serving_pb2.PrefillEvent:
@@ -68,6 +69,11 @@ def first_token_event(first: FirstTokenResult) -> serving_pb2.PrefillEvent:
 def chunk_event(chunk: KVChunkData) -> bytes:
     """One kv_chunk event, serialized (its payload copied once; see add_servicer)."""
     return kv_transfer.chunk_event_bytes(chunk)
+
+
+def kv_socket_event(port: int, token: bytes) -> serving_pb2.PrefillEvent:
+    """The event that hands the KV chunks to a direct connection (nxdi_common.serving.kv_socket)."""
+    return serving_pb2.PrefillEvent(kv_socket=serving_pb2.KVSocket(port=port, token=token))
 
 
 def done_event(num_chunks: int, payload_bytes: int, transfer_ns: int) -> serving_pb2.PrefillEvent:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from nxdi_common import kv_transfer
 from nxdi_common.kv_transfer import ModelFingerprint, fingerprint_mismatch
+from nxdi_common.serving import kv_socket as kvs
 from nxdi_common.serving import worker
 from nxdi_common.serving.errors import FailedPrecondition, InvalidRequest, Overloaded
 from nxdi_common.serving.grpc_server import GrpcServer, install_shutdown, print_ready
@@ -39,11 +40,28 @@ class PrefillSettings:
     # Padded prompt tokens a CTE batch of several prompts may hold (one prompt always runs):
     # longer prompts are encoded alone, and only these batch buckets are traced and warmed up.
     max_batch_tokens: int = 2048
+    # KV chunks on a direct TCP connection when the decode worker accepts that (kv_socket):
+    # on/off, its port (0: a free one), how long an offer waits to be claimed, and the least
+    # K+V payload worth a connection (setting one up costs ~1.5 ms here; the stream moves a
+    # short prompt's KV sooner: bench/bench_kv_transfer.py --short-prompts).
+    kv_socket: bool = True
+    kv_socket_port: int = 0
+    kv_socket_accept_seconds: float = kvs.DEFAULT_ACCEPT_TIMEOUT_SECONDS
+    kv_socket_min_bytes: int = kvs.DEFAULT_MIN_PAYLOAD_BYTES
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 1:
-                raise ValueError(f"{f.name} must be at least 1, got {getattr(self, f.name)}")
+        for name in ("max_batch_size", "ctx_batch_size", "max_queued_requests",
+                     "max_chunk_bytes", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.kv_socket_port <= 65535:
+            raise ValueError(f"kv_socket_port must be 0..65535 (0: a free port), got "
+                             f"{self.kv_socket_port}")
+        if self.kv_socket_min_bytes < 0:
+            raise ValueError(f"kv_socket_min_bytes must be >= 0, got {self.kv_socket_min_bytes}")
+        if not self.kv_socket_accept_seconds > 0:
+            raise ValueError(f"kv_socket_accept_seconds must be > 0, got "
+                             f"{self.kv_socket_accept_seconds}")
         if self.ctx_batch_size > self.max_batch_size:
             raise ValueError(f"ctx_batch_size {self.ctx_batch_size} exceeds max_batch_size "
                              f"{self.max_batch_size}; raise --max-batch-size")
@@ -118,6 +136,7 @@ class PrefillServicer:
         self.metrics, self.settings = metrics, settings
         self.address = ""  # "host:port", set once bound
         self.open_transfers = 0  # streams sending KV now
+        self.kv_socket: kvs.KVSocketServer | None = None  # set when listening
 
     async def Prefill(self, request, context) -> None:  # noqa: N802 - gRPC method name
         """Stream first_token, kv_chunk..., done for one prompt (see the proto)."""
@@ -169,7 +188,12 @@ class PrefillServicer:
             head_start=task.heads[0], max_chunk_bytes=chunk_bytes)
         start, count, total = time.perf_counter_ns(), 0, 0
         try:
-            for chunk in chunks:  # one chunk's bytes exist at a time
+            payload = 2 * out.k.numel() * out.k.element_size()
+            conn = await self._claimed_socket(task, context, payload)
+            if conn is not None:
+                count, total = await kvs.send(conn, chunks,
+                                                    self.metrics.kv_transfer_bytes_total.inc)
+            for chunk in chunks:  # one chunk's bytes exist at a time (none left after a socket)
                 await write(context, convert.chunk_event(chunk))
                 size = len(chunk.k) + len(chunk.v)
                 count, total = count + 1, total + size
@@ -179,6 +203,28 @@ class PrefillServicer:
         elapsed = time.perf_counter_ns() - start
         self.metrics.kv_transfer_duration_seconds.observe(elapsed / 1e9)
         return count, total, elapsed
+
+    async def _claimed_socket(self, task: PrefillTask, context, payload_bytes: int):
+        """Offer the KV socket when the caller accepts one and the payload is worth it; the
+        connection that claimed it, or None (no offer, or not claimed in time: the chunks go on
+        the stream)."""
+        if (self.kv_socket is None or not task.job.accept_kv_socket
+                or payload_bytes < self.settings.kv_socket_min_bytes):
+            return None
+        offer = self.kv_socket.offer()
+        try:
+            await write(context, convert.kv_socket_event(self.kv_socket.port, offer.token))
+        except BaseException:
+            self.kv_socket.withdraw(offer)
+            raise
+        conn = await self.kv_socket.claimed(offer)
+        if conn is not None:
+            self.metrics.kv_socket_transfers_total.inc()
+        else:
+            self.metrics.kv_socket_fallbacks_total.inc()
+            log.warning("KV socket offer for %s not claimed within %.1f s; sending on the stream",
+                        task.job.request_id, self.kv_socket.accept_timeout)
+        return conn
 
     def _count_transfer(self, delta: int) -> None:
         self.open_transfers += delta
@@ -245,6 +291,10 @@ class PrefillApp:
                                max_bytes)
         bound = await self.grpc.start(host, port)
         self.servicer.address = host_port(host, bound)
+        if self.settings.kv_socket:
+            server = kvs.KVSocketServer(self.settings.kv_socket_accept_seconds)
+            await server.start(host, self.settings.kv_socket_port)
+            self.servicer.kv_socket = server
         if start_engine:
             self.engine.start()
         return bound
@@ -253,6 +303,8 @@ class PrefillApp:
         """Refuse new requests, let running streams finish for up to grace_seconds, then stop."""
         if self.grpc is not None:
             await self.grpc.stop(grace_seconds)
+        if self.servicer.kv_socket is not None:
+            await self.servicer.kv_socket.stop()
         await asyncio.to_thread(self.engine.stop)
         self.metrics.stop_http_server()
 
@@ -277,6 +329,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="waiting prompts beyond this are refused (RESOURCE_EXHAUSTED)")
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES,
                    help="K+V payload per KV chunk, in bytes")
+    p.add_argument("--kv-socket", choices=("on", "off"), default="on",
+                   help="offer decode workers a direct TCP connection for the KV chunks (the "
+                        "gRPC stream stays the control path); off: chunks on the stream only")
+    p.add_argument("--kv-socket-port", type=int, default=0,
+                   help="TCP port of the KV socket listener, on --host (0: a free port)")
+    p.add_argument("--kv-socket-accept-seconds", type=float,
+                   default=kvs.DEFAULT_ACCEPT_TIMEOUT_SECONDS,
+                   help="how long an offered KV socket waits for the decode worker to connect "
+                        "before the chunks go on the stream instead")
+    p.add_argument("--kv-socket-min-bytes", type=int, default=kvs.DEFAULT_MIN_PAYLOAD_BYTES,
+                   help="offer the KV socket only for a K+V payload of at least this many bytes "
+                        "(a short prompt's KV moves sooner on the stream)")
     p.add_argument("--model-name", help="model name in the fingerprint (default: the "
                                         "checkpoint directory's name)")
     p.add_argument("--grace-seconds", type=float, default=10.0,
@@ -286,7 +350,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def settings_from_args(args: argparse.Namespace) -> PrefillSettings:
     return PrefillSettings(args.max_batch_size, args.ctx_batch_size, args.max_queued_requests,
-                           args.max_chunk_bytes, args.max_batch_tokens)
+                           args.max_chunk_bytes, args.max_batch_tokens, args.kv_socket == "on",
+                           args.kv_socket_port, args.kv_socket_accept_seconds,
+                           args.kv_socket_min_bytes)
 
 
 def load_app(args: argparse.Namespace) -> PrefillApp:
@@ -311,8 +377,11 @@ async def serve(args: argparse.Namespace) -> None:
                                lambda: app.stop(args.grace_seconds))
     log.info("prefill worker serving %s, fingerprint %s", app.servicer.address,
              app.servicer.fingerprint)
+    extra = {}
+    if app.servicer.kv_socket is not None:
+        extra["kv_socket"] = host_port(args.host, app.servicer.kv_socket.port)
     print_ready("prefill", grpc=host_port(args.host, port),
-                metrics=host_port(args.host, metrics_port))
+                metrics=host_port(args.host, metrics_port), **extra)
     await stopped.wait()
 
 

@@ -3,6 +3,9 @@ prefill + continuous batching give transformers' greedy tokens, admission, stop 
 sampling, cancellation freeing blocks, bad input, and a KV pull from a hostile prefill peer."""
 import asyncio
 import contextlib
+import socket
+import threading
+import time
 
 import grpc
 import httpx
@@ -10,6 +13,7 @@ import pytest
 import torch
 
 from nxdi_common import kv_transfer
+from nxdi_common.serving import kv_socket
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
 
@@ -300,6 +304,100 @@ def test_bad_kv_chunk_fails_the_request_cleanly(decode, how, field):
     assert [e.token_id for e in events] == [5]  # the first token arrived before the KV
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"{field}:" in err.details() or f"'{field}'" in err.details() or field in err.details()
+    wait_for_idle(decode.grpc)
+
+
+class HostileSocketPrefill(pb_grpc.PrefillServicer):
+    """Offers a KV socket and sends one bad frame on it: 'crc' (a corrupted chunk), 'oversize'
+    (a length past the decode worker's bound) or 'event' (a first_token event, not a chunk)."""
+
+    def __init__(self, fingerprint, how):
+        self.fingerprint, self.how = fingerprint, how
+
+    async def Prefill(self, request, context):
+        yield pb.PrefillEvent(first_token=pb.FirstToken(token_id=5))
+        fp, n = self.fingerprint, len(request.prompt_token_ids)
+        k = torch.zeros(fp.num_layers, n, fp.num_kv_heads, fp.head_dim)
+        msg = kv_transfer.chunk_to_proto(next(iter(kv_transfer.encode_chunks(
+            request.request_id, k, k.clone()))))
+        msg.crc32c ^= 1
+        event = {"crc": pb.PrefillEvent(kv_chunk=msg).SerializeToString(),
+                 "event": pb.PrefillEvent(first_token=pb.FirstToken(token_id=6))
+                 .SerializeToString()}.get(self.how, b"")
+        frame = (kv_socket.FRAME.pack(1 << 30) if self.how == "oversize"
+                 else kv_socket.FRAME.pack(len(event)) + event)
+        listener = socket.create_server(("127.0.0.1", 0))
+        token = b"k" * kv_socket.TOKEN_BYTES
+
+        def serve_one():
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(len(kv_socket.HELLO) + len(token), socket.MSG_WAITALL)
+                conn.sendall(frame)
+            listener.close()
+        threading.Thread(target=serve_one, daemon=True).start()
+        yield pb.PrefillEvent(kv_socket=pb.KVSocket(port=listener.getsockname()[1], token=token))
+        await asyncio.sleep(5)  # the decode worker gives up on its own
+        yield pb.PrefillEvent(done=pb.PrefillDone(num_chunks=1))
+
+
+@pytest.mark.parametrize("how, field", [("crc", "crc32c"), ("oversize", "kv_socket"),
+                                        ("event", "first_token event")])
+def test_bad_kv_socket_frame_fails_the_request_cleanly(decode, how, field):
+    async def scenario():
+        fp = kv_transfer.fingerprint_from_proto((await get_load(decode.grpc)).fingerprint)
+        server = grpc.aio.server()
+        pb_grpc.add_PrefillServicer_to_server(HostileSocketPrefill(fp, how), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            req = request("hs", PROMPTS[0], 5)
+            req.prefill_candidates.append(f"127.0.0.1:{port}")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(decode.grpc, req)
+            return err.value
+        finally:
+            await server.stop(0)
+
+    started = time.monotonic()
+    err = run(scenario())
+    assert time.monotonic() - started < 4  # refused on the frame, not when the stream ended
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert field in err.details()
+    wait_for_idle(decode.grpc)
+
+
+@pytest.fixture(scope="module")
+def prefill_worker(spawn_module, tiny_chat_model):
+    return spawn_module("prefill_service", "--model", tiny_chat_model, "--dtype", "float32",
+                        "--backend", "eager", "--threads", "1", "--max-model-len", MAX_LEN,
+                        "--max-chunk-bytes", 2048, "--kv-socket-min-bytes", 0)
+
+
+def _metric(service, name) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"http://{service.info['metrics']}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+@pytest.mark.parametrize("socket_on", [True, False])
+def test_kv_over_the_socket_or_the_stream_gives_transformers_tokens(
+        spawn_module, tiny_chat_model, prefill_worker, reference, socket_on):
+    """A real prefill worker: the decode worker takes the prompt's KV (many chunks) over the KV
+    socket by default, or on the stream with --kv-socket off; the tokens are transformers' either
+    way and the prefill worker counts which path carried it."""
+    decode = spawn_module("decode_service", "--model", tiny_chat_model, "--dtype", "float32",
+                          "--backend", "eager", "--threads", "1", "--max-model-len", MAX_LEN,
+                          "--kv-blocks", 24, "--block-size", 16, "--max-batch-size", 4,
+                          "--kv-socket", "on" if socket_on else "off")
+    before = _metric(prefill_worker, "nxdi_kv_socket_transfers_total")
+    ids = PROMPTS[2]
+    req = request("sock" if socket_on else "stream", ids, 8)
+    req.prefill_candidates.append(prefill_worker.grpc)
+    assert [e.token_id for e in run(collect(decode.grpc, req))] == greedy(reference, ids, 8)
+    assert _metric(prefill_worker, "nxdi_kv_socket_transfers_total") - before == int(socket_on)
+    assert _metric(prefill_worker, "nxdi_kv_socket_fallbacks_total") == 0
     wait_for_idle(decode.grpc)
 
 

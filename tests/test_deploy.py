@@ -134,8 +134,12 @@ def test_worker_ports_agree():
             assert container[probe]["grpc"]["port"] == GRPC_PORT, (role, probe)
         headless = services[f"{role}-headless"]["spec"]
         assert headless["clusterIP"] == "None"
-        assert {p["name"]: (p["port"], p["targetPort"]) for p in headless["ports"]} == {
-            "grpc": (GRPC_PORT, "grpc"), "metrics": (METRICS_PORT, "metrics")}
+        expected = {"grpc": (GRPC_PORT, "grpc"), "metrics": (METRICS_PORT, "metrics")}
+        if role == "prefill":  # the KV socket decode pods connect to
+            kv_port = int(_one(args, "kv_socket_port"))
+            assert kv_port == _port(container, "kv-socket") not in (GRPC_PORT, METRICS_PORT)
+            expected["kv-socket"] = (kv_port, "kv-socket")
+        assert {p["name"]: (p["port"], p["targetPort"]) for p in headless["ports"]} == expected
 
 
 def test_router_ports_and_discovery():

@@ -3,6 +3,7 @@ transformers as the reference for first tokens, logprobs and the KV cache."""
 import asyncio
 import dataclasses
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -13,7 +14,7 @@ import torch
 
 from nxdi_common import kv_transfer
 from nxdi_common.modules.sampling import sample_from_logits
-from nxdi_common.serving import worker
+from nxdi_common.serving import kv_socket, worker
 from nxdi_common.serving.errors import Overloaded
 from nxdi_common.serving.grpc_server import channel_options
 from nxdi_common.serving.types import PrefillJob
@@ -462,3 +463,121 @@ def test_copy_kv_never_returns_a_view_of_the_cache(layers, kv_heads):
     assert k.is_contiguous() and v.is_contiguous()
     cache.zero_()
     assert k.abs().sum() > 0 and v.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The KV socket: the chunks on a direct TCP connection, the stream as the control path
+# ---------------------------------------------------------------------------------------------
+
+def receive_chunks(port, token, max_frame_bytes=1 << 22):
+    """The chunks a KV socket carries, read as the decode worker reads them (each frame copied
+    out of the receive buffer, which the next frame reuses)."""
+    chunks = []
+
+    def keep(frame):
+        chunk = kv_transfer.chunk_from_event_bytes(bytes(frame))
+        assert chunk is not None, "a frame that is not a kv_chunk event"
+        chunks.append(chunk)
+        return len(chunk.k) + len(chunk.v)
+    frames, payload = asyncio.run(kv_socket.receive("127.0.0.1", port, token, keep,
+                                                    max_frame_bytes))
+    assert frames == len(chunks) and payload == sum(len(c.k) + len(c.v) for c in chunks)
+    return chunks
+
+
+def as_events(chunks):
+    return [pb.PrefillEvent(kv_chunk=kv_transfer.chunk_to_proto(c)) for c in chunks]
+
+
+def test_kv_socket_carries_the_whole_kv_and_the_stream_ends_with_done(make_live, hf):
+    live = make_live(kv_socket_min_bytes=0)
+    ids = prompt(30, offset=2)
+    before = live.app.metrics.value("nxdi_kv_socket_transfers_total")
+    # 2 heads x 16 dims x fp32 x K,V = 256 bytes a token of a layer: 4 a chunk, 2 x 8 chunks
+    req = live.request(ids, request_id="sock", accept_kv_socket=True, max_chunk_bytes=1024)
+    events = iter(live.stub.Prefill(req, timeout=10))
+    first, offer = next(events), next(events)
+    assert offer.WhichOneof("event") == "kv_socket"
+    assert offer.kv_socket.port == live.app.servicer.kv_socket.port
+    assert len(offer.kv_socket.token) == kv_socket.TOKEN_BYTES
+    chunks = receive_chunks(offer.kv_socket.port, offer.kv_socket.token)
+    rest = list(events)
+    assert [e.WhichOneof("event") for e in rest] == ["done"]  # no chunk on the stream
+    assert len(chunks) == 16
+    check_greedy(live, hf, ids, [first, *as_events(chunks), rest[0]], request_id="sock")
+    assert live.app.metrics.value("nxdi_kv_socket_transfers_total") == before + 1
+    live.wait_load(open_transfers=0)
+
+
+def test_unclaimed_kv_socket_falls_back_to_the_stream_and_wrong_tokens_claim_nothing(make_live,
+                                                                                      hf):
+    w = make_live(kv_socket_accept_seconds=0.5, kv_socket_min_bytes=0)
+    ids = prompt(25, offset=3)
+    events = iter(w.stub.Prefill(w.request(ids, request_id="late", accept_kv_socket=True),
+                                 timeout=10))
+    first, offer = next(events), next(events)
+    assert offer.WhichOneof("event") == "kv_socket"
+    wrong = bytes(a ^ 1 for a in offer.kv_socket.token)
+    assert receive_chunks(offer.kv_socket.port, wrong) == []  # closed at once, nothing sent
+    rest = list(events)  # the offer times out: the chunks come on the stream
+    check_greedy(w, hf, ids, [first, *rest], request_id="late")
+    assert w.app.metrics.value("nxdi_kv_socket_fallbacks_total") == 1
+    assert w.app.metrics.value("nxdi_kv_socket_transfers_total") == 0
+    # The token was single-use: claiming it after the fallback gets a closed connection too.
+    assert receive_chunks(offer.kv_socket.port, offer.kv_socket.token) == []
+
+
+def test_kv_socket_off_sends_every_chunk_on_the_stream(make_live, hf):
+    w = make_live(kv_socket=False)
+    assert w.app.servicer.kv_socket is None
+    ids = prompt(12, offset=4)
+    events = list(w.stub.Prefill(w.request(ids, request_id="off", accept_kv_socket=True),
+                                 timeout=10))
+    check_greedy(w, hf, ids, events, request_id="off")
+
+
+def test_kv_below_the_socket_threshold_goes_on_the_stream(make_live, hf):
+    # 2 layers x 2 heads x 16 dims x fp32 x K,V = 512 bytes a token
+    w = make_live(kv_socket_min_bytes=512 * 12 + 1)
+    events = list(w.stub.Prefill(w.request(prompt(12), request_id="small",
+                                           accept_kv_socket=True), timeout=10))
+    check_greedy(w, hf, prompt(12), events, request_id="small")  # no kv_socket event
+    events = iter(w.stub.Prefill(w.request(prompt(13), request_id="big", accept_kv_socket=True),
+                                 timeout=10))
+    assert next(events).WhichOneof("event") == "first_token"
+    offer = next(events)
+    assert offer.WhichOneof("event") == "kv_socket"  # 13 tokens reach the threshold
+    assert len(receive_chunks(offer.kv_socket.port, offer.kv_socket.token)) == 1
+    assert [e.WhichOneof("event") for e in events] == ["done"]
+
+
+def test_cancel_mid_socket_transfer_frees_everything_and_closes_the_socket(make_live, wide_ckpt):
+    w = make_live(wide_ckpt, max_model_len=1536, max_chunk_bytes=1 << 16)  # 24 MiB of KV
+    call = w.stub.Prefill(w.request(prompt(1500), request_id="big", accept_kv_socket=True),
+                          timeout=30)
+    events = iter(call)
+    assert next(events).WhichOneof("event") == "first_token"
+    offer = next(events).kv_socket
+    with socket.create_connection(("127.0.0.1", offer.port), timeout=10) as conn:
+        conn.sendall(kv_socket.HELLO + offer.token)
+        assert conn.recv(4096)  # the transfer started; 24 MiB stalls on the unread socket
+        w.wait_load(open_transfers=1)
+        call.cancel()
+        w.wait_load(open_transfers=0, queued_requests=0, running_sequences=0)
+        deadline = time.monotonic() + 5
+        while w.outcomes()["cancelled"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.outcomes() == {"ok": 0, "cancelled": 1, "error": 0, "rejected": 0, "invalid": 0}
+        with pytest.raises((ConnectionResetError, EOFError)):
+            while True:  # what was in flight drains, then the connection ends
+                if not conn.recv(1 << 20):
+                    raise EOFError
+
+
+def test_kv_socket_settings_are_checked():
+    with pytest.raises(ValueError, match="kv_socket_port"):
+        PrefillSettings(kv_socket_port=70000)
+    with pytest.raises(ValueError, match="kv_socket_accept_seconds"):
+        PrefillSettings(kv_socket_accept_seconds=0)
+    with pytest.raises(ValueError, match="kv_socket_min_bytes"):
+        PrefillSettings(kv_socket_min_bytes=-1)

@@ -1,7 +1,7 @@
 """End to end on real processes and loopback sockets: router + prefill + decode workers started
 by the launcher, the bundled SmolLM2 in fp32 for truth against transformers, the tiny chat model for
 load. No mocks: every request crosses the HTTP gateway or the gRPC Router, the decode worker pulls
-KV from a prefill worker over a gRPC stream."""
+KV from a prefill worker (Prefill stream for control, the KV socket it offers for the bytes)."""
 import asyncio
 import time
 
@@ -76,16 +76,21 @@ def test_grpc_router_greedy_matches_transformers_2p2d_16_concurrent(fp32_cluster
         assert events[-1].usage.prompt_tokens == len(ids)
     # Every transfer ended as delivered on the prefill side: the decode worker reads each stream
     # to its end instead of cancelling it once the done message arrives.
+    # Every prompt's KV (fp32: 46 KB a token, so >= 1.4 MB, above the KV socket's default
+    # threshold) crossed on a KV socket, none fell back.
     moved = {k: v - before[k] for k, v in prefill_outcomes(fp32_cluster).items()}
-    assert moved == {"ok": 16, "cancelled": 0}, moved
+    assert moved == {"ok": 16, "cancelled": 0, "socket": 16, "fallback": 0}, moved
 
 
 def prefill_outcomes(cluster) -> dict[str, float]:
-    """Prefill streams ended ok / cancelled, summed over the cluster's prefill workers."""
+    """Prefill streams ended ok / cancelled, and KV sent on a KV socket / fallen back to the
+    stream, summed over the cluster's prefill workers."""
     urls = [f"http://{connectable(w.ready['metrics'])}/metrics" for w in cluster.workers
             if w.role == "prefill"]
-    return {outcome: sum(metric(url, f'nxdi_requests_total{{outcome="{outcome}",role="prefill"}}')
-                         for url in urls) for outcome in ("ok", "cancelled")}
+    names = {o: f'nxdi_requests_total{{outcome="{o}",role="prefill"}}' for o in ("ok", "cancelled")}
+    names.update(socket='nxdi_kv_socket_transfers_total{role="prefill"}',
+                 fallback='nxdi_kv_socket_fallbacks_total{role="prefill"}')
+    return {key: sum(metric(url, name) for url in urls) for key, name in names.items()}
 
 
 def test_http_greedy_matches_transformers(fp32_cluster, tokenizer, hf_model):
@@ -121,7 +126,8 @@ def test_streaming_is_incremental(fp32_cluster, tokenizer):
 
     first, loads, rest = asyncio.run(scenario())
     assert first.index == 0 and first.finish_reason == pb.FINISH_REASON_UNSPECIFIED
-    assert sum(load.running_sequences for load in loads) == 1  # still computing the rest
+    # Still in the decode worker (pulling its KV, which follows the first token, or generating)
+    assert sum(load.running_sequences + load.queued_requests for load in loads) == 1
     assert len(rest) == 199 and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 

@@ -33,7 +33,8 @@ POLICIES = ("least-loaded", "round-robin", "prefix-affinity")
 MODEL_FLAGS = ("--model", "--dtype", "--max-model-len", "--backend", "--compiled-root", "--threads",
                "--quantize", "--context-buckets", "--attention-kernel", "--kv-cache-dtype")
 SERVICE_FLAGS = {
-    "prefill": ("--host", "--port", "--metrics-port", "--max-batch-size", "--ctx-batch-size"),
+    "prefill": ("--host", "--port", "--metrics-port", "--max-batch-size", "--ctx-batch-size",
+                "--kv-socket-port"),
     "decode": ("--host", "--port", "--metrics-port", "--max-batch-size", "--kv-blocks",
                "--block-size", "--local-prefill-max-tokens", "--prefill-chunk-tokens"),
     "router": ("--host", "--http-port", "--grpc-port", "--prefill", "--decode", "--prefill-dns",

@@ -52,6 +52,10 @@ COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
      "short and long sequences run apart)"),
     ("mixed_steps", "Decode steps run in the same model call as a piece of a local prefill "
      "(counted in decode_steps too, not in token_generation_calls)"),
+    ("kv_socket_transfers", "KV transfers sent on a direct TCP connection (KV socket) instead "
+     "of the gRPC stream"),
+    ("kv_socket_fallbacks", "KV transfers whose KV socket offer was not claimed in time, so "
+     "the chunks went on the gRPC stream"),
     ("local_prefills", "Prompts prefilled by their decode worker (router: requests it sent "
      "without prefill candidates; decode: prompts it prefilled itself)"),
 )
@@ -83,7 +87,9 @@ class ServingMetrics:
     ``queue_depth_requests``, ``running_sequences``, ``kv_blocks_used_blocks``,
     ``kv_blocks_free_blocks``, ``open_kv_transfers``; counters ``kv_transfer_bytes_total``,
     ``generated_tokens_total``, ``prompt_tokens_total``, ``decode_steps_total``,
-    ``token_generation_calls_total``, ``mixed_steps_total``, ``local_prefills_total``; and ``requests_total``, an
+    ``token_generation_calls_total``, ``mixed_steps_total``, ``kv_socket_transfers_total``,
+    ``kv_socket_fallbacks_total``,
+    ``local_prefills_total``; and ``requests_total``, an
     :class:`OutcomeCounter` (``requests_total.inc("ok")``)."""
 
     def __init__(self, role: str):

@@ -170,3 +170,4 @@ class PrefillJob:
     head_start: int = 0
     head_end: int = 0  # 0 with head_start 0: all heads
     max_chunk_bytes: int = 0  # 0: the worker's bound
+    accept_kv_socket: bool = False  # the caller can take the chunks on a KV socket

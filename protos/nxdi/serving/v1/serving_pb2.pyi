@@ -220,7 +220,7 @@ class ModelFingerprint(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., kv_quantization: _Optional[_Union[KVQuantization, str]] = ..., weights_hash: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "fingerprint", "kv_token_start", "head_start", "head_end", "max_chunk_bytes")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "fingerprint", "kv_token_start", "head_start", "head_end", "max_chunk_bytes", "accept_kv_socket")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class PrefillRequest(_message.Message):
     HEAD_START_FIELD_NUMBER: _ClassVar[int]
     HEAD_END_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_KV_SOCKET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -237,7 +238,8 @@ class PrefillRequest(_message.Message):
     head_start: int
     head_end: int
     max_chunk_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_token_start: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    accept_kv_socket: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_token_start: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., accept_kv_socket: _Optional[bool] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs", "cached_prompt_tokens", "compute_ns")
@@ -283,6 +285,14 @@ class KVChunk(_message.Message):
     crc32c: int
     def __init__(self, request_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., k_scale: _Optional[float] = ..., v_scale: _Optional[float] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
+class KVSocket(_message.Message):
+    __slots__ = ("port", "token")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    token: bytes
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
 class PrefillDone(_message.Message):
     __slots__ = ("num_chunks", "payload_bytes", "transfer_ns")
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -294,14 +304,16 @@ class PrefillDone(_message.Message):
     def __init__(self, num_chunks: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., transfer_ns: _Optional[int] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
-    __slots__ = ("first_token", "kv_chunk", "done")
+    __slots__ = ("first_token", "kv_chunk", "done", "kv_socket")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_CHUNK_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    KV_SOCKET_FIELD_NUMBER: _ClassVar[int]
     first_token: FirstToken
     kv_chunk: KVChunk
     done: PrefillDone
-    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., kv_chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
+    kv_socket: KVSocket
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., kv_chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ..., kv_socket: _Optional[_Union[KVSocket, _Mapping]] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
