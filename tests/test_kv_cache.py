@@ -1,11 +1,14 @@
 """write_prompt_range: a prompt's KV range lands in a sequence's blocks exactly where a per-token
-scatter over its slots puts it, for any start, length, head range and dtype."""
+scatter over its slots puts it, for any start, length, head range and dtype, through our
+kernel's copy_blocks (non-temporal stores where rows allow) and through the numpy fallback."""
 
 import random
 
 import pytest
 import torch
 
+from nxdi_common import kernels
+from nxdi_common.modules import kv_cache
 from nxdi_common.modules.kv_cache import write_prompt_range
 
 LAYERS, BLOCKS, BS, HEADS, D = 3, 12, 4, 3, 2
@@ -19,11 +22,21 @@ def _reference(cache_kv, table, start, data, heads):
     flat[:, slots, heads] = data
 
 
+@pytest.fixture(params=["kernel", "numpy"])
+def copy_path(request, monkeypatch):
+    """Whole blocks through copy_blocks, or through the numpy fallback (kernel 'unavailable')."""
+    if request.param == "numpy":
+        monkeypatch.setattr(kv_cache.kernels, "kernels_unavailable_reason", lambda: "off here")
+    elif kernels.kernels_unavailable_reason() is not None:
+        pytest.skip(kernels.kernels_unavailable_reason())
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("start, length", [(0, 16), (0, 3), (1, 2), (2, 11), (4, 8), (5, 19),
                                            (3, 1), (7, 21)])
 @pytest.mark.parametrize("heads", [slice(None), slice(0, 3), slice(1, 3), slice(0, 1)])
-def test_matches_a_per_token_scatter(dtype, start, length, heads):
+def test_matches_a_per_token_scatter(copy_path, dtype, start, length, heads):
     rng = random.Random(start * 100 + length)
     table = rng.sample(range(BLOCKS), 7)  # scattered blocks, 28 positions
     n_heads = len(range(*heads.indices(HEADS)))
@@ -36,7 +49,7 @@ def test_matches_a_per_token_scatter(dtype, start, length, heads):
     assert not ours[0].view(torch.uint8).any()  # the layer outside the range is untouched
 
 
-def test_writes_through_a_strided_view_of_the_cache():
+def test_writes_through_a_strided_view_of_the_cache(copy_path):
     cache = torch.zeros(LAYERS, 2, BLOCKS + 1, BS, HEADS, D)  # [L, K/V, ...] as the engine has it
     data = torch.randn(LAYERS, 9, HEADS, D)
     write_prompt_range(cache[:, 1], [4, 0, 9], 2, data)
@@ -45,7 +58,7 @@ def test_writes_through_a_strided_view_of_the_cache():
     assert torch.equal(cache, ref)
 
 
-def test_a_cache_whose_blocks_are_not_contiguous_still_gets_every_block():
+def test_a_cache_whose_blocks_are_not_contiguous_still_gets_every_block(copy_path):
     base = torch.zeros(LAYERS, BLOCKS + 1, HEADS, BS, D)
     cache = base.transpose(2, 3)  # [L, blocks, BS, H, D] with the block's rows interleaved
     data = torch.randn(LAYERS, 12, HEADS, D)
@@ -53,3 +66,40 @@ def test_a_cache_whose_blocks_are_not_contiguous_still_gets_every_block():
     ref = torch.zeros(LAYERS, BLOCKS + 1, BS, HEADS, D)
     _reference(ref, [3, 7, 1], 0, data, slice(None))
     assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("offset", [0, 1])  # 0: 64-byte aligned rows (streamed), 1: misaligned
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_copy_blocks_streams_aligned_rows_and_copies_the_rest(copy_path, offset, dtype):
+    """Rows of 16 x 2 x 32 elements (a multiple of 64 bytes) as a KV pool has them, written
+    through a view that starts ``offset`` elements into its storage."""
+    shape = (LAYERS, 2, BLOCKS + 1, 16, 2, 32)
+    storage = torch.zeros(int(torch.Size(shape).numel()) + offset, dtype=dtype)
+    cache = storage[offset:].view(shape)
+    data = torch.randn(LAYERS, 16 * 5 + 7, 2, 32).to(dtype)
+    table = [11, 2, 7, 0, 5, 9]
+    write_prompt_range(cache[:, 0], table, 3, data)
+    ref = torch.zeros(shape, dtype=dtype)
+    bs = 16
+    positions = range(3, 3 + data.shape[1])
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in positions])
+    ref[:, 0].flatten(1, 2)[:, slots] = data
+    assert torch.equal(cache, ref) and not storage[:offset].any()
+
+
+def test_copy_blocks_refuses_bad_input():
+    if kernels.kernels_unavailable_reason() is not None:
+        pytest.skip(kernels.kernels_unavailable_reason())
+    op = torch.ops.nxdi.copy_blocks
+    dst, src = torch.zeros(2, 5, 4, 8), torch.ones(2, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="outside 0..4"):
+        op(dst, torch.tensor([1, 5]), src)
+    with pytest.raises(RuntimeError, match="blocks must be"):
+        op(dst, torch.tensor([1]), src)
+    with pytest.raises(RuntimeError, match="disagree"):
+        op(dst, torch.tensor([1, 2]), torch.ones(2, 2, 4, 4))
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        op(dst, torch.tensor([1, 2]), src.double())
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        op(dst.transpose(2, 3), torch.tensor([1, 2]), torch.ones(2, 2, 8, 4))
+    assert not dst.any()  # nothing written by a refused call

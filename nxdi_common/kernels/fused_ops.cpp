@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <utility>
@@ -416,6 +417,71 @@ std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& logits_in, int64_t k) 
   return {values, indices};
 }
 
+// Copy one block row with non-temporal stores where the destination is 64-byte aligned and the
+// row a multiple of 64 bytes: a received KV block goes to a cold, scattered place in a large
+// pool, and plain stores first read every destination line (read-for-ownership), which made
+// such copies run at about half the speed (bench in BENCHMARKS.md, session 16).
+inline void copy_row_streaming(char* d, const char* s, int64_t bytes) {
+#if defined(__AVX512F__)
+  if (reinterpret_cast<uintptr_t>(d) % 64 == 0 && bytes % 64 == 0) {
+    for (int64_t o = 0; o < bytes; o += 64)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + o),
+                          _mm512_loadu_si512(reinterpret_cast<const void*>(s + o)));
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)  // (simd.h includes immintrin.h for these two)
+  if (reinterpret_cast<uintptr_t>(d) % 32 == 0 && bytes % 32 == 0) {
+    for (int64_t o = 0; o < bytes; o += 32)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + o),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + o)));
+    return;
+  }
+#endif
+  std::memcpy(d, s, bytes);
+}
+
+// dst [L, N, ...] and src [L, n, ...] (same dtype and trailing shape, each [l, i] slice one
+// contiguous row): dst[l, blocks[i]] = src[l, i] for every l and i. A KV transfer writes a
+// received chunk into its sequence's (scattered) cache blocks with this.
+void copy_blocks(at::Tensor& dst, const at::Tensor& blocks_in, const at::Tensor& src) {
+  TORCH_CHECK(dst.dim() >= 2 && src.dim() == dst.dim(), "copy_blocks: dst [L, N, ...] and src "
+              "[L, n, ...] must have the same rank >= 2, got ", dst.sizes(), " and ", src.sizes());
+  TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "copy_blocks: dst and src dtypes differ");
+  TORCH_CHECK(dst.size(0) == src.size(0) && dst.sizes().slice(2) == src.sizes().slice(2),
+              "copy_blocks: shapes ", dst.sizes(), " and ", src.sizes(), " disagree");
+  const at::Tensor blocks = blocks_in.to(at::kLong).contiguous();
+  TORCH_CHECK(blocks.dim() == 1 && blocks.size(0) == src.size(1), "copy_blocks: blocks must be "
+              "[", src.size(1), "], got ", blocks_in.sizes());
+  const int64_t layers = src.size(0), n = src.size(1), num_blocks = dst.size(1);
+  int64_t row = 1;
+  for (int64_t d = 2; d < src.dim(); ++d) row *= src.size(d);
+  const at::Tensor* both[] = {&dst, &src};
+  for (const at::Tensor* t : both) {  // each [l, i] slice one contiguous row
+    int64_t expected = 1;
+    for (int64_t d = t->dim() - 1; d >= 2; --d) {
+      TORCH_CHECK(t->size(d) == 1 || t->stride(d) == expected,
+                  "copy_blocks: the rows of a tensor of shape ", t->sizes(), " and strides ",
+                  t->strides(), " are not contiguous");
+      expected *= t->size(d);
+    }
+  }
+  const int64_t* bp = blocks.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(bp[i] >= 0 && bp[i] < num_blocks, "copy_blocks: block ", bp[i], " outside 0..",
+                num_blocks - 1);
+  const int64_t item = src.element_size(), bytes = row * item;
+  char* dp = static_cast<char*>(dst.data_ptr());
+  const char* sp = static_cast<const char*>(src.const_data_ptr());
+  const int64_t ds0 = dst.stride(0) * item, ds1 = dst.stride(1) * item;
+  const int64_t ss0 = src.stride(0) * item, ss1 = src.stride(1) * item;
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t i = 0; i < n; ++i)
+      copy_row_streaming(dp + l * ds0 + bp[i] * ds1, sp + l * ss0 + i * ss1, bytes);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  _mm_sfence();  // the streamed stores are visible before anyone reads the blocks
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nxdi, m) {
@@ -425,6 +491,7 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
         "int layer, Tensor slots) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("topk(Tensor logits, int k) -> (Tensor, Tensor)");
+  m.def("copy_blocks(Tensor(a!) dst, Tensor blocks, Tensor src) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nxdi, CPU, m) {
@@ -433,4 +500,5 @@ TORCH_LIBRARY_IMPL(nxdi, CPU, m) {
   m.impl("rope_qk_store", &rope_qk_store);
   m.impl("silu_mul", &silu_mul);
   m.impl("topk", &topk);
+  m.impl("copy_blocks", &copy_blocks);
 }
