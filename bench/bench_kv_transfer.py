@@ -94,6 +94,32 @@ async def measure(addr: str, chunk_kib: list[int], repeats: int, option_sets: li
     return out
 
 
+async def rounds(addr: str, n: int, receiver_cpu: int,
+                 chunk: int = kv_transfer.DEFAULT_MAX_CHUNK_BYTES) -> list[tuple[float, float, float]]:
+    """``n`` rounds of (raw TCP, KV socket, stream) bytes/s, back to back so each ratio compares
+    figures taken within a second of each other (this VM's speed moves 15-45% within minutes).
+    Raw TCP is placed as the KV moves: sender on the prefill worker's CPU 0, receiver on
+    ``receiver_cpu``; each transfer is a new 1024-token prompt in chunks of ``chunk`` bytes."""
+    async with grpc.aio.insecure_channel(addr) as channel:
+        load = await pb_grpc.PrefillStub(channel).GetLoad(pb.GetLoadRequest())
+    out = []
+    options = [("grpc.max_receive_message_length", kv_transfer.max_message_bytes(chunk))]
+    async with grpc.aio.insecure_channel(addr, options=options) as channel:
+        prefill = decode_convert.prefill_call(channel)
+        for r in range(n + 1):  # the first round is warm-up
+            tcp = bs.raw_tcp_bytes_per_second(256 << 20, sender_cpu=0, sink_cpu=receiver_cpu)
+            sock, _ = await bs._one_transfer(prefill, load.fingerprint, bs.prompt(1024, 2000 + r),
+                                             chunk, kv_socket.split_host(addr))
+            stream, _ = await bs._one_transfer(prefill, load.fingerprint,
+                                               bs.prompt(1024, 3000 + r), chunk)
+            if r:
+                out.append((tcp, sock, stream))
+                print(f"round {r:2d}: raw TCP {tcp / 1e9:5.2f} GB/s, KV socket {sock / 1e9:5.2f} "
+                      f"({sock / tcp:4.0%}), stream {stream / 1e9:5.2f} ({stream / tcp:4.0%})",
+                      flush=True)
+    return out
+
+
 class _BytesOnly(pb_grpc.PrefillServicer):
     """The transport alone: ``kv_token_start`` messages of ``max_chunk_bytes`` zero bytes."""
 
@@ -159,6 +185,10 @@ def main(argv=None) -> int:
     p.add_argument("--receiver-cpu", type=int, default=1)
     p.add_argument("--short-prompts", type=int, nargs="*", default=[16, 128],
                    help="also time the transfer of these prompt lengths' KV on both paths")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="instead of the sweep: this many rounds of raw TCP, KV socket and stream "
+                        "back to back (chunks of the first --chunk-kib), with per-round ratios "
+                        "and their medians")
     p.add_argument("--option-sets", nargs="+", default=list(OPTION_SETS), choices=list(OPTION_SETS),
                    help="HTTP/2 channel option sets to measure the KV transfer with")
     args = p.parse_args(argv)
@@ -166,6 +196,8 @@ def main(argv=None) -> int:
     # do this at start). Left at glibc's defaults, every received MiB was a fresh mmap that
     # page-faulted in and was unmapped again, which held gRPC alone to ~1.2 GB/s here.
     keep_large_buffers_in_heap()
+    if args.rounds:
+        return _main_rounds(args)
     tcp = bs.raw_tcp_bytes_per_second()
     print(f"raw loopback TCP: {tcp / 1e9:.2f} GB/s", flush=True)
     measure_transport(args.chunk_kib, args.repeats, args.receiver_cpu)
@@ -189,6 +221,24 @@ def main(argv=None) -> int:
         best = max(v for (name, _), v in rates.items() if (name == "KV socket") == (path == "KV socket"))
         print(f"best {path}: {best / 1e9:.2f} GB/s = {best / tcp:.0%} of raw loopback TCP "
               f"({tcp / 1e9:.2f} GB/s)")
+    return 0
+
+
+def _main_rounds(args) -> int:
+    chunk = args.chunk_kib[0] << 10
+    spec = LaunchSpec(prefill_workers=1, decode_workers=1, threads=1,
+                      cpus={"prefill0": [0], "decode0": [1]},
+                      prefill_args=["--max-chunk-bytes", str(chunk)])
+    with Cluster(spec) as cluster:
+        os.sched_setaffinity(0, {args.receiver_cpu})
+        torch.set_num_threads(1)
+        out = asyncio.run(rounds(cluster.worker("prefill", 0).grpc, args.rounds,
+                                 args.receiver_cpu, chunk))
+    med = statistics.median
+    print(f"medians over {len(out)} rounds: raw TCP {med(t for t, _, _ in out) / 1e9:.2f} GB/s; "
+          f"KV socket {med(s for _, s, _ in out) / 1e9:.2f} GB/s, "
+          f"{med(s / t for t, s, _ in out):.0%} of raw TCP; stream "
+          f"{med(g for _, _, g in out) / 1e9:.2f} GB/s, {med(g / t for t, _, g in out):.0%}")
     return 0
 
 

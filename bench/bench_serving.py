@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import time
@@ -39,7 +40,9 @@ TCP_BYTES, TCP_WRITE = 1 << 30, 4 << 20
 CHUNK_MIB = (1, 4, 16)  # KV chunk payload bounds tried; 1 MiB is the default
 
 
-def _tcp_sink(port_queue) -> None:
+def _tcp_sink(port_queue, cpu: int | None = None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     with socket.create_server(("127.0.0.1", 0)) as server:
         port_queue.put(server.getsockname()[1])
         conn, _ = server.accept()
@@ -49,19 +52,27 @@ def _tcp_sink(port_queue) -> None:
                 pass
 
 
-def raw_tcp_bytes_per_second() -> float:
-    """One process sends TCP_BYTES in TCP_WRITE writes to another over 127.0.0.1."""
+def raw_tcp_bytes_per_second(total: int = TCP_BYTES, sender_cpu: int | None = None,
+                              sink_cpu: int | None = None) -> float:
+    """This process sends ``total`` bytes in TCP_WRITE writes to another over 127.0.0.1 (each
+    pinned to the given CPU for the measurement, else left where they are)."""
     ports = multiprocessing.Queue()
-    sink = multiprocessing.Process(target=_tcp_sink, args=(ports,))
+    sink = multiprocessing.Process(target=_tcp_sink, args=(ports, sink_cpu))
     sink.start()
     payload = bytes(TCP_WRITE)
-    with socket.create_connection(("127.0.0.1", ports.get())) as conn:
-        start = time.perf_counter()
-        for _ in range(TCP_BYTES // TCP_WRITE):
-            conn.sendall(payload)
-        conn.shutdown(socket.SHUT_WR)
-        sink.join()
-        return TCP_BYTES / (time.perf_counter() - start)
+    affinity = os.sched_getaffinity(0)
+    if sender_cpu is not None:
+        os.sched_setaffinity(0, {sender_cpu})
+    try:
+        with socket.create_connection(("127.0.0.1", ports.get())) as conn:
+            start = time.perf_counter()
+            for _ in range(total // TCP_WRITE):
+                conn.sendall(payload)
+            conn.shutdown(socket.SHUT_WR)
+            sink.join()
+            return total // TCP_WRITE * TCP_WRITE / (time.perf_counter() - start)
+    finally:
+        os.sched_setaffinity(0, affinity)
 
 
 def prompt(n: int, salt: int) -> list[int]:
