@@ -5,8 +5,9 @@
 Measures, on loopback, with the bundled SmolLM2 unless --model is given:
   1. raw loopback TCP throughput (one process sends 4 MiB writes to another), the peer figure;
   2. KV transfer throughput: Prefill.Prefill called directly for a long prompt, every chunk
-     validated (ranges, length, CRC32C) and written into a tensor as the decode worker does;
-     bytes / (first chunk .. done);
+     validated (ranges, length, CRC32C) and written into a tensor as the decode worker does,
+     over the KV socket and on the stream; bytes / (first token .. done), receiver unpinned
+     (bench_kv_transfer.py measures it placed as deployed, which is the figure to quote);
   3. TTFT through the router for 128/512/1024-token prompts, disaggregated (1 prefill + 1 decode)
      and aggregated (the same decode worker prefilling locally: no prefill workers);
   4. the router's cost: TTFT through Router.Generate vs Decode.Generate sent straight to the
@@ -82,19 +83,22 @@ def prompt(n: int, salt: int) -> list[int]:
 
 
 async def kv_transfer_rate(prefill_addr: str, fingerprint, n: int, repeats: int,
-                           chunk_bytes: int) -> dict:
-    """Bytes/s of Prefill streams for n-token prompts, received and validated like decode."""
+                           chunk_bytes: int, socket: bool = False) -> dict:
+    """Bytes/s of Prefill streams for n-token prompts, received and validated like decode
+    (chunks on the KV socket with ``socket``, else on the stream)."""
     options = [("grpc.max_receive_message_length", kv_transfer.max_message_bytes(chunk_bytes))]
     rates, sizes = [], []
     async with grpc.aio.insecure_channel(prefill_addr, options=options) as channel:
         prefill = decode_convert.prefill_call(channel)
         for r in range(repeats + 1):
             ids = prompt(n, 100 + r)
-            rate, size = await _one_transfer(prefill, fingerprint, ids, chunk_bytes)
+            rate, size = await _one_transfer(prefill, fingerprint, ids, chunk_bytes,
+                                             kv_socket.split_host(prefill_addr) if socket
+                                             else None)
             if r:  # the first is warm-up
                 rates.append(rate)
                 sizes.append(size)
-    return {"bytes": sizes[0], "chunk_bytes": chunk_bytes,
+    return {"bytes": sizes[0], "chunk_bytes": chunk_bytes, "kv_socket": socket,
             "bytes_per_second_median": statistics.median(rates)}
 
 
@@ -213,8 +217,9 @@ async def measure_cluster(cluster: Cluster, repeats: int, with_prefill: bool) ->
             load = await pb_grpc.PrefillStub(grpc.aio.insecure_channel(cands[0])).GetLoad(
                 pb.GetLoadRequest())
             out["kv_transfer_1024"] = [
-                await kv_transfer_rate(cands[0], load.fingerprint, 1024, repeats, mib << 20)
-                for mib in CHUNK_MIB]
+                await kv_transfer_rate(cands[0], load.fingerprint, 1024, repeats, mib << 20,
+                                       socket)
+                for socket in (True, False) for mib in CHUNK_MIB]
     return out
 
 
@@ -253,7 +258,8 @@ def report(r: dict) -> None:
     print(f"raw loopback TCP {tcp / 1e9:.2f} GB/s")
     for x in d["kv_transfer_1024"]:
         kv = x["bytes_per_second_median"]
-        print(f"KV transfer, {x['chunk_bytes'] >> 20:2d} MiB chunks: {kv / 1e9:.2f} GB/s "
+        path = "KV socket" if x.get("kv_socket") else "stream   "
+        print(f"KV transfer ({path}), {x['chunk_bytes'] >> 20:2d} MiB chunks: {kv / 1e9:.2f} GB/s "
               f"({kv / tcp:.0%} of TCP), {x['bytes'] / 1e6:.1f} MB per 1024-token prompt")
     for n in PROMPT_LENGTHS:
         dis, agg = d[f"ttft_router_{n}_seconds"], a[f"ttft_router_{n}_seconds"]
