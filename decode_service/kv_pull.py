@@ -10,7 +10,8 @@ first candidate that sends one.
 When the prefill worker offers a KV socket (nxdi_common.serving.kv_socket), the chunks are read
 from that connection on a worker thread, validated and written exactly as stream chunks are; the
 stream still has to end with done. If the connection cannot be made, the prefill worker sends the
-chunks on the stream once its offer times out."""
+chunks on the stream once its offer times out, and this worker stops asking that prefill worker
+for a socket for a while (a blocked port then costs one request a delay, not every request)."""
 from __future__ import annotations
 
 import logging
@@ -23,9 +24,15 @@ from decode_service.engine import DecodeEngine
 from decode_service.sequence import Sequence
 from nxdi_common import kv_transfer
 from nxdi_common.serving import kv_socket
+from nxdi_common.serving.kv_socket import DEFAULT_ACCEPT_TIMEOUT_SECONDS
 from nxdi_common.serving.errors import FailedPrecondition, ServingError, Unavailable
 
 log = logging.getLogger(__name__)
+
+# A KV socket connection is made within ms where it can be made at all; waiting longer than the
+# prefill worker's accept timeout only delays the chunks it then sends on the stream.
+SOCKET_CONNECT_TIMEOUT_SECONDS = min(1.0, DEFAULT_ACCEPT_TIMEOUT_SECONDS)
+SOCKET_RETRY_AFTER_SECONDS = 60.0  # after a failed connection, no socket from that worker
 
 
 class PrefillChannels:
@@ -59,6 +66,7 @@ class KVPuller:
         self.engine, self.channels, self.fingerprint = engine, channels, fingerprint
         self.max_chunk_bytes, self.metrics, self.timeout = max_chunk_bytes, metrics, timeout_seconds
         self.kv_socket = kv_socket  # accept the prefill worker's KV socket offers
+        self._no_socket_until: dict[str, float] = {}  # address -> monotonic time
         self.open_transfers = 0
 
     async def pull(self, seq: Sequence, candidates: tuple[str, ...]) -> bool:
@@ -83,7 +91,7 @@ class KVPuller:
                                                         seq.prompt_len, start)
         coverage = kv_transfer.KVCoverage(reservation)
         request = convert.prefill_request(seq.job, self.fingerprint, start, self.max_chunk_bytes,
-                                          self.kv_socket)
+                                          self.accepts_socket(address))
         call = self.channels.prefill(address)(request, timeout=self.timeout)
         self.open_transfers += 1
         began, payload = time.perf_counter(), 0
@@ -124,6 +132,10 @@ class KVPuller:
             seq.add_token(token_id, logprob, top)
         return seq.finished
 
+    def accepts_socket(self, address: str) -> bool:
+        """Whether to ask the prefill worker at ``address`` for a KV socket now."""
+        return self.kv_socket and time.monotonic() >= self._no_socket_until.get(address, 0.0)
+
     async def _receive_socket(self, address: str, offer, seq, reservation, coverage) -> int:
         """Read the chunks from the offered KV socket; their payload bytes (0 when it could not
         be reached: they come on the stream then)."""
@@ -143,9 +155,13 @@ class KVPuller:
         host = kv_socket.split_host(address)
         try:
             _, payload = await kv_socket.receive(
-                host, port, token, on_frame, kv_transfer.max_message_bytes(self.max_chunk_bytes))
+                host, port, token, on_frame, kv_transfer.max_message_bytes(self.max_chunk_bytes),
+                SOCKET_CONNECT_TIMEOUT_SECONDS)
         except ConnectionRefusedError as exc:
-            log.warning("%s; the chunks of %s will come on the stream", exc, seq.request_id)
+            self._no_socket_until[address] = time.monotonic() + SOCKET_RETRY_AFTER_SECONDS
+            log.warning("%s; the chunks of %s will come on the stream, and %s is not asked for "
+                        "a KV socket for %.0f s", exc, seq.request_id, address,
+                        SOCKET_RETRY_AFTER_SECONDS)
             return 0
         except OSError as exc:
             raise Unavailable(f"KV socket {host}:{port} of {address} broke: {exc}") from None

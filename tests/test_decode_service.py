@@ -367,6 +367,54 @@ def test_bad_kv_socket_frame_fails_the_request_cleanly(decode, how, field):
     wait_for_idle(decode.grpc)
 
 
+class UnreachableSocketPrefill(pb_grpc.PrefillServicer):
+    """Offers a KV socket on a port where nothing listens (a blocked port), then, as a real
+    prefill worker does once its offer times out, sends the chunk on the stream."""
+
+    def __init__(self, fingerprint):
+        self.fingerprint, self.asked = fingerprint, []
+
+    async def Prefill(self, request, context):
+        self.asked.append(request.accept_kv_socket)
+        yield pb.PrefillEvent(first_token=pb.FirstToken(token_id=5))
+        if request.accept_kv_socket:
+            with socket.create_server(("127.0.0.1", 0)) as closed:
+                port = closed.getsockname()[1]
+            yield pb.PrefillEvent(kv_socket=pb.KVSocket(port=port, token=b"u" * 16))
+            await asyncio.sleep(0.2)
+        fp, n = self.fingerprint, len(request.prompt_token_ids)
+        k = torch.zeros(fp.num_layers, n, fp.num_kv_heads, fp.head_dim)
+        chunk = next(iter(kv_transfer.encode_chunks(request.request_id, k, k.clone())))
+        yield pb.PrefillEvent(kv_chunk=kv_transfer.chunk_to_proto(chunk))
+        yield pb.PrefillEvent(done=pb.PrefillDone(num_chunks=1))
+
+
+def test_unreachable_kv_socket_falls_back_to_the_stream_and_is_not_asked_again(decode):
+    async def scenario():
+        fp = kv_transfer.fingerprint_from_proto((await get_load(decode.grpc)).fingerprint)
+        servicer = UnreachableSocketPrefill(fp)
+        server = grpc.aio.server()
+        pb_grpc.add_PrefillServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            results = []
+            for i in range(2):
+                req = request(f"u{i}", PROMPTS[0], 3)
+                req.prefill_candidates.append(f"127.0.0.1:{port}")
+                results.append(await collect(decode.grpc, req))
+            return servicer.asked, results
+        finally:
+            await server.stop(0)
+
+    asked, results = run(scenario())
+    assert asked == [True, False]  # the failed connection stops the offers for a while
+    for events in results:
+        assert len(events) == 3 and events[0].token_id == 5
+        assert events[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    wait_for_idle(decode.grpc)
+
+
 @pytest.fixture(scope="module")
 def prefill_worker(spawn_module, tiny_chat_model):
     return spawn_module("prefill_service", "--model", tiny_chat_model, "--dtype", "float32",
