@@ -230,7 +230,7 @@ def test_context_buckets_under_a_batch_token_budget(tiny_llama_ckpt):
     assert [cte.max_batch(n) for n in (64, 128, 256)] == [4, 2, 1]
     assert cte.select_bucket(3, 50) == (4, 64) and cte.select_bucket(2, 100) == (2, 128)
     with pytest.raises(ValueError, match="batch size 2 of 256-token prompts is over "
-                                         "max_context_batch_tokens \(256\)"):
+                                         r"max_context_batch_tokens \(256\)"):
         cte.select_bucket(2, 200)
     unlimited = worker.load_model(opts, worker.prefill_neuron_config(opts, 4, 4))
     assert len(unlimited.context_encoding_model.bucket_keys()) == 9
@@ -417,6 +417,11 @@ def test_cancel_mid_transfer_frees_everything(make_live, wide_ckpt):
     assert next(events).WhichOneof("event") == "first_token"
     assert next(events).WhichOneof("event") == "kv_chunk"
     assert w.wait_load(open_transfers=1).queued_requests == 0  # stalled: we are not reading
+    cancel_and_check_freed(w, call)
+
+
+def cancel_and_check_freed(w, call):
+    """Cancel a stalled transfer's stream; the worker ends it as cancelled and holds nothing."""
     call.cancel()
     w.wait_load(open_transfers=0, queued_requests=0, running_sequences=0)
     deadline = time.monotonic() + 5
@@ -562,12 +567,7 @@ def test_cancel_mid_socket_transfer_frees_everything_and_closes_the_socket(make_
         conn.sendall(kv_socket.HELLO + offer.token)
         assert conn.recv(4096)  # the transfer started; 24 MiB stalls on the unread socket
         w.wait_load(open_transfers=1)
-        call.cancel()
-        w.wait_load(open_transfers=0, queued_requests=0, running_sequences=0)
-        deadline = time.monotonic() + 5
-        while w.outcomes()["cancelled"] != 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert w.outcomes() == {"ok": 0, "cancelled": 1, "error": 0, "rejected": 0, "invalid": 0}
+        cancel_and_check_freed(w, call)
         with pytest.raises((ConnectionResetError, EOFError)):
             while True:  # what was in flight drains, then the connection ends
                 if not conn.recv(1 << 20):
