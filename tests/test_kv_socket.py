@@ -62,6 +62,30 @@ def test_offered_chunks_arrive_whole_and_in_order(max_chunk_bytes):
     assert torch.equal(out_k, k) and torch.equal(out_v, v)
 
 
+def test_ipv6_loopback():
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    k, v = kv(layers=1, tokens=8)
+
+    async def scenario():
+        server = kv_socket.KVSocketServer(accept_timeout=5)
+        try:
+            port = await server.start("[::1]", 0)
+        except OSError as exc:
+            pytest.skip(f"cannot listen on ::1: {exc}")
+        offer = server.offer()
+        received = []
+        receiving = asyncio.ensure_future(kv_socket.receive(
+            kv_socket.split_host(f"[::1]:{port}"), port, offer.token, keep_into(received), 1 << 20))
+        await kv_socket.send(await server.claimed(offer), kv_transfer.encode_chunks("r", k, v))
+        frames = await receiving
+        await server.stop()
+        return frames, received
+
+    frames, received = asyncio.run(scenario())
+    assert frames[0] == len(received) == 1
+
+
 def test_unclaimed_offer_times_out_and_wrong_tokens_are_closed():
     async def scenario():
         server = kv_socket.KVSocketServer(accept_timeout=0.3)

@@ -67,7 +67,10 @@ class KVSocketClosed(ConnectionError):
 
 def split_host(address: str) -> str:
     """The host of "host:port" or "[v6]:port" (brackets removed)."""
-    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return _unbracket(address.rsplit(":", 1)[0] if ":" in address else address)
+
+
+def _unbracket(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
@@ -96,7 +99,9 @@ class KVSocketServer:
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self, host: str, port: int = 0) -> int:
-        """Listen on host:port (0: a free port); returns the bound port."""
+        """Listen on host:port (0: a free port; an IPv6 host bare or bracketed); returns the
+        bound port."""
+        host = _unbracket(host)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.create_server((host, port), family=family, backlog=64)
         listener.setblocking(False)
