@@ -95,7 +95,7 @@ async def measure(addr: str, chunk_kib: list[int], repeats: int, option_sets: li
 
 
 async def rounds(addr: str, n: int, receiver_cpu: int,
-                 chunk: int = kv_transfer.DEFAULT_MAX_CHUNK_BYTES) -> list[tuple[float, float, float]]:
+                 chunk: int = kv_transfer.DEFAULT_MAX_CHUNK_BYTES) -> list[tuple]:
     """``n`` rounds of (raw TCP, KV socket, stream) bytes/s, back to back so each ratio compares
     figures taken within a second of each other (this VM's speed moves 15-45% within minutes).
     Raw TCP is placed as the KV moves: sender on the prefill worker's CPU 0, receiver on
@@ -218,7 +218,8 @@ def main(argv=None) -> int:
     print(f"raw loopback TCP again: {tcp_after / 1e9:.2f} GB/s", flush=True)
     tcp = max(tcp, tcp_after)  # the faster probe: the ratios below are not flattered by a slow one
     for path in ("KV socket", "stream"):
-        best = max(v for (name, _), v in rates.items() if (name == "KV socket") == (path == "KV socket"))
+        best = max(v for (name, _), v in rates.items()
+                   if (name == "KV socket") == (path == "KV socket"))
         print(f"best {path}: {best / 1e9:.2f} GB/s = {best / tcp:.0%} of raw loopback TCP "
               f"({tcp / 1e9:.2f} GB/s)")
     return 0

@@ -51,7 +51,8 @@ def prefill_call(channel):
 def prefill_event(data: bytes):
     """The serialized PrefillEvent ``data`` as ("first_token", (token_id, logprob,
     top_logprobs)) | ("kv_chunk", KVChunkData, its K and V views of ``data``) | ("kv_socket",
-    (port, token)) | ("done", None) | (None, None) when no event is set. FailedPrecondition when it is not a PrefillEvent."""
+    (port, token)) | ("done", None) | (None, None) when no event is set. FailedPrecondition
+    when it is not a PrefillEvent."""
     chunk = kv_transfer.chunk_from_event_bytes(data)
     if chunk is not None:
         return "kv_chunk", chunk

@@ -24,14 +24,13 @@ from decode_service.engine import DecodeEngine
 from decode_service.sequence import Sequence
 from nxdi_common import kv_transfer
 from nxdi_common.serving import kv_socket
-from nxdi_common.serving.kv_socket import DEFAULT_ACCEPT_TIMEOUT_SECONDS
 from nxdi_common.serving.errors import FailedPrecondition, ServingError, Unavailable
 
 log = logging.getLogger(__name__)
 
 # A KV socket connection is made within ms where it can be made at all; waiting longer than the
 # prefill worker's accept timeout only delays the chunks it then sends on the stream.
-SOCKET_CONNECT_TIMEOUT_SECONDS = min(1.0, DEFAULT_ACCEPT_TIMEOUT_SECONDS)
+SOCKET_CONNECT_TIMEOUT_SECONDS = min(1.0, kv_socket.DEFAULT_ACCEPT_TIMEOUT_SECONDS)
 SOCKET_RETRY_AFTER_SECONDS = 60.0  # after a failed connection, no socket from that worker
 
 
@@ -141,7 +140,8 @@ class KVPuller:
         be reached: they come on the stream then)."""
         port, token = offer
         if not self.kv_socket:
-            raise FailedPrecondition("prefill stream offered a kv_socket this worker did not ask for")
+            raise FailedPrecondition("prefill stream offered a kv_socket this worker did not "
+                                     "ask for")
         if not 0 < port < 65536 or len(token) != kv_socket.TOKEN_BYTES:
             raise FailedPrecondition(f"kv_socket: port {port} and a {len(token)}-byte token; "
                                      f"expected 1..65535 and {kv_socket.TOKEN_BYTES} bytes")

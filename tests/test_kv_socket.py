@@ -220,7 +220,8 @@ def test_cancelled_send_closes_the_connection():
 
     reader, conn = asyncio.run(scenario())
     assert conn.fileno() == -1  # closed by send
-    got, reader_timeout = 0, reader.settimeout(10)
+    got = 0
+    reader.settimeout(10)
     with reader:
         try:
             while chunk := reader.recv(1 << 20):

@@ -45,7 +45,6 @@ DEFAULT_ACCEPT_TIMEOUT_SECONDS = 2.0  # the decode worker connects within ms; th
 DEFAULT_MIN_PAYLOAD_BYTES = 1 << 20
 HANDSHAKE_TIMEOUT_SECONDS = 5.0  # an accepted connection must present its token within this
 IO_TIMEOUT_SECONDS = 60.0  # a peer that stops reading or sending for this long is dropped
-MAX_FRAME_BYTES = (1 << 32) - 1
 # Threads that move KV bytes, apart from asyncio's default executor so that many open transfers
 # (each waits on its socket most of the time) never hold up other work sent to threads.
 MAX_TRANSFER_THREADS = 32
@@ -116,10 +115,8 @@ class KVSocketServer:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for offer in self._offers.values():
-            if not offer.claimed.done():
-                offer.claimed.cancel()
-        self._offers.clear()
+        for offer in list(self._offers.values()):
+            self.withdraw(offer)
 
     def offer(self) -> Offer:
         """A new one-time token; withdraw it when done with it (claimed or not)."""
@@ -176,7 +173,7 @@ class KVSocketServer:
         try:
             hello = await asyncio.wait_for(_read_async(conn, len(HELLO) + TOKEN_BYTES),
                                            HANDSHAKE_TIMEOUT_SECONDS)
-        except (OSError, asyncio.TimeoutError, KVSocketClosed):
+        except (OSError, asyncio.TimeoutError):  # KVSocketClosed is an OSError
             conn.close()
             return
         offer = self._offers.get(hello[len(HELLO):]) if hello[:len(HELLO)] == HELLO else None
