@@ -116,7 +116,7 @@ class KVPuller:
                                                           coverage)
             if not coverage.complete:
                 raise FailedPrecondition(f"prefill stream from {address} ended with "
-                                         f"{coverage.missing} KV values missing")
+                                         f"{coverage.missing()} KV values missing")
             self._observe(payload, time.perf_counter() - began)
             return True
         finally:

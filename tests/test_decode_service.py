@@ -3,6 +3,7 @@ prefill + continuous batching give transformers' greedy tokens, admission, stop 
 sampling, cancellation freeing blocks, bad input, and a KV pull from a hostile prefill peer."""
 import asyncio
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -251,13 +252,17 @@ def test_bad_input_is_invalid_argument(decode, req, field):
 # ---- a hostile prefill peer: the decode worker must validate every chunk ---------------------
 
 class HostilePrefill(pb_grpc.PrefillServicer):
-    """Answers with a first token and one corrupted chunk (how: 'length', 'range' or 'crc')."""
+    """Answers with a first token and one corrupted chunk (how: 'length', 'range' or 'crc'),
+    a good chunk again after done ('after_done'), or done with no chunk at all ('missing')."""
 
     def __init__(self, fingerprint, how):
         self.fingerprint, self.how = fingerprint, how
 
     async def Prefill(self, request, context):
         yield pb.PrefillEvent(first_token=pb.FirstToken(token_id=5))
+        if self.how == "missing":
+            yield pb.PrefillEvent(done=pb.PrefillDone(num_chunks=0))
+            return
         fp, n = self.fingerprint, len(request.prompt_token_ids)
         end = n + 1 if self.how == "range" else n
         k = torch.zeros(fp.num_layers, end, fp.num_kv_heads, fp.head_dim)
@@ -286,7 +291,8 @@ async def hostile_server(fingerprint, how):
 
 
 @pytest.mark.parametrize("how, field", [("length", "k"), ("range", "token_end"), ("crc", "crc32c"),
-                                        ("after_done", "kv_chunk after done")])
+                                        ("after_done", "kv_chunk after done"),
+                                        ("missing", "KV values missing")])
 def test_bad_kv_chunk_fails_the_request_cleanly(decode, how, field):
     async def scenario():
         fp = kv_transfer.fingerprint_from_proto((await get_load(decode.grpc)).fingerprint)
@@ -303,6 +309,8 @@ def test_bad_kv_chunk_fails_the_request_cleanly(decode, how, field):
     events, err = run(scenario())
     assert [e.token_id for e in events] == [5]  # the first token arrived before the KV
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    if how == "missing":  # the message counts what is missing
+        assert re.search(r"ended with [1-9]\d* KV values missing", err.details()), err.details()
     assert f"{field}:" in err.details() or f"'{field}'" in err.details() or field in err.details()
     wait_for_idle(decode.grpc)
 
@@ -316,6 +324,9 @@ class HostileSocketPrefill(pb_grpc.PrefillServicer):
 
     async def Prefill(self, request, context):
         yield pb.PrefillEvent(first_token=pb.FirstToken(token_id=5))
+        if self.how == "missing":
+            yield pb.PrefillEvent(done=pb.PrefillDone(num_chunks=0))
+            return
         fp, n = self.fingerprint, len(request.prompt_token_ids)
         k = torch.zeros(fp.num_layers, n, fp.num_kv_heads, fp.head_dim)
         msg = kv_transfer.chunk_to_proto(next(iter(kv_transfer.encode_chunks(
