@@ -30,7 +30,7 @@ import torch
 
 from decode_service import convert as decode_convert
 from nxdi_common import kv_transfer
-from nxdi_common.modules.kv_cache import write_prompt_range
+from nxdi_common.modules.kv_cache import SequenceKVWriter
 from nxdi_common.serving import kv_socket
 from nxdi_common.serving.launcher import Cluster, LaunchSpec
 from protos.nxdi.serving.v1 import serving_pb2 as pb
@@ -126,14 +126,15 @@ async def _one_transfer(prefill, fingerprint, ids, chunk_bytes,
     fp = kv_transfer.fingerprint_from_proto(fingerprint)
     reservation = kv_transfer.Reservation.for_model(fp, "bench", len(ids))
     cache, table = _receiver_cache(fp, len(ids))
+    writer, coverage = SequenceKVWriter(cache, table), kv_transfer.KVCoverage(reservation)
     req = pb.PrefillRequest(request_id="bench", prompt_token_ids=ids, fingerprint=fingerprint,
                             sampling=pb.SamplingParams(temperature=0),
                             max_chunk_bytes=chunk_bytes, accept_kv_socket=socket_host is not None)
 
     def store(chunk) -> int:
         w = kv_transfer.decode_chunk(chunk, reservation)
-        for which, part in enumerate((w.k, w.v)):
-            write_prompt_range(cache[w.layers, which], table, w.tokens.start, part, w.heads)
+        coverage.add(w)
+        writer.write(w.layers, w.tokens.start, w.k, w.v, w.heads)
         return len(chunk.k) + len(chunk.v)
 
     # The clock starts when the first token arrives: the worker sends it just before the first

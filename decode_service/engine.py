@@ -36,7 +36,7 @@ import torch
 
 from nxdi_common.application import CausalLMOutput
 from nxdi_common.block_manager import BlockManager
-from nxdi_common.modules.kv_cache import write_prompt_range
+from nxdi_common.modules.kv_cache import SequenceKVWriter
 from nxdi_common.serving.errors import Overloaded
 from decode_service.scheduler import DecodeScheduler, split_by_length
 from decode_service.sequence import Sequence
@@ -110,14 +110,20 @@ class DecodeEngine:
             self._live[rid] = seq
         return seq
 
-    def write_kv(self, seq: Sequence, write) -> None:
-        """Store a validated chunk (kv_transfer.ChunkWrite) in the sequence's blocks."""
-        cache = self.model.kv_cache  # [L, 2, NB + 1, BS, H, D]
-        for which, data, scale in ((K, write.k, write.k_scale), (V, write.v, write.v_scale)):
-            if scale != 1.0:
-                data = (data.float() * scale)
-            write_prompt_range(cache[write.layers, which], seq.block_table, write.tokens.start,
-                               data.to(cache.dtype), write.heads)
+    def kv_writer(self, seq: Sequence):
+        """A function storing validated chunks (kv_transfer.ChunkWrite) of ``seq``'s prompt in its
+        blocks; make one per transfer (it holds the block table as a tensor)."""
+        writer = SequenceKVWriter(self.model.kv_cache, seq.block_table)  # [L, 2, NB + 1, BS, H, D]
+        dtype = writer.cache.dtype
+
+        def write(chunk) -> None:
+            k, v = chunk.k, chunk.v
+            if chunk.k_scale != 1.0:
+                k = k.float() * chunk.k_scale
+            if chunk.v_scale != 1.0:
+                v = v.float() * chunk.v_scale
+            writer.write(chunk.layers, chunk.tokens.start, k.to(dtype), v.to(dtype), chunk.heads)
+        return write
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.config.block_size, seq.block_table

@@ -89,6 +89,7 @@ class KVPuller:
         reservation = kv_transfer.Reservation.for_model(self.fingerprint, seq.request_id,
                                                         seq.prompt_len, start)
         coverage = kv_transfer.KVCoverage(reservation)
+        store = self.engine.kv_writer(seq)
         request = convert.prefill_request(seq.job, self.fingerprint, start, self.max_chunk_bytes,
                                           self.accepts_socket(address))
         call = self.channels.prefill(address)(request, timeout=self.timeout)
@@ -110,10 +111,10 @@ class KVPuller:
                     if self._take_first_token(seq, data):
                         return False
                 elif kind == "kv_chunk":
-                    payload += self._write_chunk(seq, data, reservation, coverage)
+                    payload += self._write_chunk(data, reservation, coverage, store)
                 elif kind == "kv_socket":
                     payload += await self._receive_socket(address, data, seq, reservation,
-                                                          coverage)
+                                                          coverage, store)
             if not coverage.complete:
                 raise FailedPrecondition(f"prefill stream from {address} ended with "
                                          f"{coverage.missing()} KV values missing")
@@ -135,7 +136,8 @@ class KVPuller:
         """Whether to ask the prefill worker at ``address`` for a KV socket now."""
         return self.kv_socket and time.monotonic() >= self._no_socket_until.get(address, 0.0)
 
-    async def _receive_socket(self, address: str, offer, seq, reservation, coverage) -> int:
+    async def _receive_socket(self, address: str, offer, seq, reservation, coverage,
+                              store) -> int:
         """Read the chunks from the offered KV socket; their payload bytes (0 when it could not
         be reached: they come on the stream then)."""
         port, token = offer
@@ -150,7 +152,7 @@ class KVPuller:
             kind, chunk = convert.prefill_event(frame)
             if kind != "kv_chunk":
                 raise FailedPrecondition(f"kv_socket: a frame holds a {kind} event, not a kv_chunk")
-            return self._write_chunk(seq, chunk, reservation, coverage)
+            return self._write_chunk(chunk, reservation, coverage, store)
 
         host = kv_socket.split_host(address)
         try:
@@ -167,10 +169,11 @@ class KVPuller:
             raise Unavailable(f"KV socket {host}:{port} of {address} broke: {exc}") from None
         return payload
 
-    def _write_chunk(self, seq, chunk, reservation, coverage) -> int:
+    @staticmethod
+    def _write_chunk(chunk, reservation, coverage, store) -> int:
         write = kv_transfer.decode_chunk(chunk, reservation)
         coverage.add(write)
-        self.engine.write_kv(seq, write)
+        store(write)
         return len(chunk.k) + len(chunk.v)
 
     def _observe(self, payload: int, seconds: float) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from nxdi_common import kernels
 from nxdi_common.modules import kv_cache
-from nxdi_common.modules.kv_cache import write_prompt_range
+from nxdi_common.modules.kv_cache import SequenceKVWriter, write_prompt_range
 
 LAYERS, BLOCKS, BS, HEADS, D = 3, 12, 4, 3, 2
 
@@ -47,6 +47,34 @@ def test_matches_a_per_token_scatter(copy_path, dtype, start, length, heads):
     _reference(ref.view(torch.uint8)[1:], table, start, data.view(torch.uint8), heads)
     assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
     assert not ours[0].view(torch.uint8).any()  # the layer outside the range is untouched
+
+
+@pytest.mark.parametrize("start, length", [(0, 16), (0, 3), (1, 2), (2, 11), (4, 8), (5, 19),
+                                           (3, 1), (7, 21)])
+@pytest.mark.parametrize("heads", [slice(None), slice(0, 3), slice(1, 3)])
+def test_sequence_writer_puts_k_and_v_where_a_per_token_scatter_does(copy_path, start, length,
+                                                                    heads):
+    """SequenceKVWriter (what the decode worker writes received chunks with): K into [:, 0], V
+    into [:, 1] of the layers named, partial blocks at both ends, any head range."""
+    rng = random.Random(start * 100 + length)
+    table = rng.sample(range(BLOCKS), 7)
+    n_heads = len(range(*heads.indices(HEADS)))
+    k = torch.randn(LAYERS - 1, length, n_heads, D).to(torch.bfloat16)
+    v = torch.randn(LAYERS - 1, length, n_heads, D).to(torch.bfloat16)
+    ours = torch.zeros(LAYERS, 2, BLOCKS + 1, BS, HEADS, D, dtype=torch.bfloat16)
+    ref = ours.clone()
+    writer = SequenceKVWriter(ours, table)
+    assert writer.kernel == (copy_path == "kernel")
+    writer.write(slice(1, LAYERS), start, k, v, heads)
+    _reference(ref[1:, 0], table, start, k, heads)
+    _reference(ref[1:, 1], table, start, v, heads)
+    assert torch.equal(ours, ref)
+    assert not ours[0].any()  # the layer outside the range is untouched
+
+
+def test_sequence_writer_refuses_a_cache_without_k_and_v():
+    with pytest.raises(ValueError, match="cache must be"):
+        SequenceKVWriter(torch.zeros(LAYERS, BLOCKS + 1, BS, HEADS, D), [0, 1])
 
 
 def test_writes_through_a_strided_view_of_the_cache(copy_path):
