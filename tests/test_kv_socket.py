@@ -229,3 +229,28 @@ def test_cancelled_send_closes_the_connection():
         except ConnectionResetError:
             pass
     assert 0 < got < 2 * k.numel() * k.element_size()  # some, not all, then the end
+
+
+def _sysctl(name: str, fallback: int) -> int:
+    try:
+        return int(open(f"/proc/sys/net/core/{name}").read())
+    except OSError:
+        return fallback
+
+
+def test_both_ends_set_their_buffers_and_the_sender_sends_at_once():
+    """A transfer runs on a new connection, whose buffers would start at the system defaults
+    and grow only as autotuning catches up: the receiver sets its receive buffer before it
+    connects, the sender its send buffer and TCP_NODELAY (no frame tail held back)."""
+    want = kv_socket.SOCKET_BUFFER_BYTES
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        receiver = kv_socket._connect("127.0.0.1", listener.getsockname()[1], 5.0)
+        conn, _ = listener.accept()
+        with receiver, conn:
+            assert kv_socket.send_chunks(conn, []) == (0, 0)
+            assert receiver.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= \
+                min(want, _sysctl("rmem_max", want))
+            assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= \
+                min(want, _sysctl("wmem_max", want))
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            assert receiver.recv(1) == b""  # the sender closed its side after no chunks
