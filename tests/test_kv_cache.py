@@ -131,3 +131,30 @@ def test_copy_blocks_refuses_bad_input():
     with pytest.raises(RuntimeError, match="not contiguous"):
         op(dst.transpose(2, 3), torch.tensor([1, 2]), torch.ones(2, 2, 8, 4))
     assert not dst.any()  # nothing written by a refused call
+
+
+def test_write_prompt_kv_refuses_bad_input():
+    if kernels.kernels_unavailable_reason() is not None:
+        pytest.skip(kernels.kernels_unavailable_reason())
+    op = torch.ops.nxdi.write_prompt_kv
+    cache = torch.zeros(LAYERS, 2, BLOCKS + 1, BS, HEADS, D)
+    k = v = torch.ones(2, 9, HEADS, D)  # positions 2..10: blocks 0, 1 and 2 of the table
+    table = torch.tensor([4, 0, 9])
+    with pytest.raises(RuntimeError, match="need 3 blocks"):
+        op(cache, 0, table[:2], 2, k, v)
+    with pytest.raises(RuntimeError, match="block 13 outside"):
+        op(cache, 0, torch.tensor([4, 13, 9]), 2, k, v)
+    with pytest.raises(RuntimeError, match="layers 2..4 outside"):
+        op(cache, 2, table, 2, k, v)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        op(cache, 0, table, 2, k.double(), v.double())
+    with pytest.raises(RuntimeError, match="do not match the cache"):
+        op(cache, 0, table, 2, torch.ones(2, 9, HEADS, D + 1), torch.ones(2, 9, HEADS, D + 1))
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        op(cache, 0, table, 2, k.transpose(2, 3).contiguous().transpose(2, 3), v)
+    assert not cache.any()  # nothing written by a refused call
+    op(cache, 1, table, 2, k, v)
+    ref = torch.zeros_like(cache)
+    _reference(ref[1:, 0], [4, 0, 9], 2, k, slice(None))
+    _reference(ref[1:, 1], [4, 0, 9], 2, v, slice(None))
+    assert torch.equal(cache, ref)

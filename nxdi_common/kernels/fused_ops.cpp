@@ -482,6 +482,63 @@ void copy_blocks(at::Tensor& dst, const at::Tensor& blocks_in, const at::Tensor&
 #endif
 }
 
+// One sequence's prompt KV for layers [layer_start, layer_start + l) and positions
+// [start, start + T) into a block cache: cache [L, 2, N, BS, H, D] (K at [:, 0], V at [:, 1];
+// each block's [BS, H, D] contiguous), table [>= ceil((start + T) / BS)] the sequence's block ids,
+// k and v [l, T, H, D] (each layer's [T, H, D] contiguous). Whole blocks are streamed, the
+// partial ones at the ends copied; everything is checked before the first byte is written. A
+// decode worker writes each received KV chunk with one call of this.
+void write_prompt_kv(at::Tensor& cache, int64_t layer_start, const at::Tensor& table_in,
+                     int64_t start, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(cache.dim() == 6 && cache.size(1) == 2, "write_prompt_kv: cache must be [L, 2, N, "
+              "BS, H, D], got ", cache.sizes());
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes(), "write_prompt_kv: k and v must be one "
+              "[l, T, H, D] shape, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+              "write_prompt_kv: k, v and cache dtypes differ");
+  TORCH_CHECK(k.size(2) == cache.size(4) && k.size(3) == cache.size(5), "write_prompt_kv: k "
+              "heads and head_dim ", k.sizes(), " do not match the cache ", cache.sizes());
+  const int64_t layers = k.size(0), tokens = k.size(1), bs = cache.size(3);
+  const int64_t row = cache.size(4) * cache.size(5);  // elements of one position
+  TORCH_CHECK(layer_start >= 0 && layer_start + layers <= cache.size(0), "write_prompt_kv: "
+              "layers ", layer_start, "..", layer_start + layers, " outside 0..", cache.size(0));
+  TORCH_CHECK(cache.stride(5) == 1 && cache.stride(4) == cache.size(5) &&
+              cache.stride(3) == row, "write_prompt_kv: the cache's blocks are not contiguous");
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->stride(3) == 1 && t->stride(2) == t->size(3) &&
+                (t->size(1) == 1 || t->stride(1) == row),
+                "write_prompt_kv: each layer of k and v must be contiguous");
+  const at::Tensor table = table_in.to(at::kLong).contiguous();
+  TORCH_CHECK(start >= 0 && table.dim() == 1 && (tokens == 0 ||
+              (start + tokens - 1) / bs < table.size(0)), "write_prompt_kv: positions ", start,
+              "..", start + tokens, " need ", (start + tokens + bs - 1) / bs, " blocks, the table "
+              "has ", table.numel());
+  const int64_t* tp = table.const_data_ptr<int64_t>();
+  const int64_t first = start / bs, last = tokens ? (start + tokens - 1) / bs : first - 1;
+  for (int64_t b = first; b <= last; ++b)
+    TORCH_CHECK(tp[b] >= 0 && tp[b] < cache.size(2), "write_prompt_kv: block ", tp[b],
+                " outside 0..", cache.size(2) - 1);
+  const int64_t item = cache.element_size(), pos_bytes = row * item;
+  char* cp = static_cast<char*>(cache.data_ptr());
+  const int64_t c0 = cache.stride(0) * item, c1 = cache.stride(1) * item, c2 = cache.stride(2) * item;
+  const at::Tensor* src[] = {&k, &v};
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t w = 0; w < 2; ++w) {
+      const char* sp = static_cast<const char*>(src[w]->const_data_ptr()) +
+                       l * src[w]->stride(0) * item;
+      char* layer = cp + (layer_start + l) * c0 + w * c1;
+      for (int64_t p = start, end = start + tokens; p < end;) {
+        const int64_t off = p % bs, n = std::min(bs - off, end - p);
+        copy_row_streaming(layer + tp[p / bs] * c2 + off * pos_bytes, sp + (p - start) * pos_bytes,
+                           n * pos_bytes);
+        p += n;
+      }
+    }
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  _mm_sfence();
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nxdi, m) {
@@ -492,6 +549,8 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("topk(Tensor logits, int k) -> (Tensor, Tensor)");
   m.def("copy_blocks(Tensor(a!) dst, Tensor blocks, Tensor src) -> ()");
+  m.def("write_prompt_kv(Tensor(a!) cache, int layer_start, Tensor table, int start, Tensor k, "
+        "Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nxdi, CPU, m) {
@@ -501,4 +560,5 @@ TORCH_LIBRARY_IMPL(nxdi, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("topk", &topk);
   m.impl("copy_blocks", &copy_blocks);
+  m.impl("write_prompt_kv", &write_prompt_kv);
 }

@@ -149,18 +149,18 @@ class SequenceKVWriter:
     cache ``[L, 2, num_blocks + 1, block_size, kv_heads, D]`` (K at index 0, V at 1).
 
     write_prompt_range does the same one range at a time; this keeps what every chunk of one
-    sequence shares (the block table as a tensor, whether our kernel can copy the blocks), so a
-    chunk's whole blocks cost one copy_blocks call for K and one for V. A 1024-token prompt
-    arrives in 30 chunks of one layer each, and the per-call work it saves (~25 us of Python for
-    each of K and V) was a quarter of the time a chunk took on the decode worker."""
+    sequence shares (the block table as a tensor, whether our kernel can take the cache), so a
+    chunk with every head costs one call of our kernel's write_prompt_kv for its K and V. A
+    1024-token prompt arrives in 30 chunks of one layer each, and the per-call work this saves
+    (~25 us of Python for each of K and V, more on a busy core) was a quarter of the time a
+    chunk took on the decode worker."""
 
     def __init__(self, cache: torch.Tensor, block_table: list[int]):
         if cache.dim() != 6 or cache.shape[1] != 2:
             raise ValueError(f"cache must be [layers, 2, blocks, block_size, kv_heads, head_dim], "
                              f"got {tuple(cache.shape)}")
         self.cache, self.table = cache, list(block_table)
-        self.k, self.v = cache[:, 0], cache[:, 1]
-        self.block_size, self.num_heads = cache.shape[3], cache.shape[4]
+        self.num_heads = cache.shape[4]
         self.ids = torch.tensor(self.table, dtype=torch.long)
         self.kernel = (cache[0, 0, 0].is_contiguous()
                        and kernels.kernels_unavailable_reason() is None)
@@ -169,22 +169,13 @@ class SequenceKVWriter:
               heads: slice = slice(None)) -> None:
         """``cache[layers, 0]`` and ``cache[layers, 1]`` at positions ``start`` onwards (and
         ``heads``) := ``k`` and ``v``, each ``[layers', tokens, heads', D]`` in the cache's dtype."""
-        bs, tokens = self.block_size, k.shape[1]
-        first, last = -(-start // bs), (start + tokens) // bs  # the whole blocks: [first, last)
-        all_heads = (heads.start in (None, 0) and heads.stop in (None, self.num_heads)
-                     and heads.step in (None, 1))
-        if not (self.kernel and all_heads and last > first):
-            for cache, data in ((self.k, k), (self.v, v)):
-                write_prompt_range(cache[layers], self.table, start, data, heads)
+        if (self.kernel and heads.start in (None, 0) and heads.stop in (None, self.num_heads)
+                and heads.step in (None, 1) and layers.step in (None, 1)
+                and k.is_contiguous() and v.is_contiguous()):
+            torch.ops.nxdi.write_prompt_kv(self.cache, layers.start or 0, self.ids, start, k, v)
             return
-        ids, lo, hi = self.ids[first:last], first * bs - start, last * bs - start
-        for cache, data in ((self.k, k), (self.v, v)):
-            dst = cache[layers]
-            torch.ops.nxdi.copy_blocks(dst, ids, data[:, lo:hi].unflatten(1, (last - first, bs)))
-            if lo:  # the partial block before the whole ones, and the one after them
-                dst[:, self.table[first - 1], bs - lo:] = data[:, :lo]
-            if hi < tokens:
-                dst[:, self.table[last], :tokens - hi] = data[:, hi:]
+        for which, data in ((0, k), (1, v)):
+            write_prompt_range(self.cache[layers, which], self.table, start, data, heads)
 
 
 def _copy_block_rows(cache_kv: torch.Tensor, blocks: list[int], data: torch.Tensor) -> bool:
