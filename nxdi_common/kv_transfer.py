@@ -438,12 +438,14 @@ def chunk_to_proto(chunk: KVChunkData,
     return msg
 
 
-def chunk_from_proto(msg: serving_pb2.KVChunk) -> KVChunkData:
-    """The chunk carried by ``msg`` (not yet validated: pass it to decode_chunk)."""
+def chunk_from_proto(msg: serving_pb2.KVChunk, k=None, v=None) -> KVChunkData:
+    """The chunk carried by ``msg`` (not yet validated: pass it to decode_chunk); ``k`` and
+    ``v``, when given, stand for the message's own (views of the bytes it was parsed from)."""
     return KVChunkData(
         msg.request_id, msg.layer_start, msg.layer_end, msg.token_start, msg.token_end,
         msg.head_start, msg.head_end, _enum_name(serving_pb2.DType, "DTYPE_", msg.dtype, "dtype"),
-        msg.k_scale, msg.v_scale, msg.k, msg.v, msg.crc32c)
+        msg.k_scale, msg.v_scale, msg.k if k is None else k, msg.v if v is None else v,
+        msg.crc32c)
 
 
 def fingerprint_to_proto(fp: ModelFingerprint) -> serving_pb2.ModelFingerprint:
@@ -529,7 +531,7 @@ def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
 def _fields(data: memoryview) -> list[tuple[int, int, int, int, int]]:
     """(field number, wire type, start of its tag, start of its value, end) of each
     top-level field of the message in ``data``; KVChunkError on anything malformed.
-    One-byte tags and lengths are read inline (the common case; a receiver runs this per chunk)."""
+    One-byte tags are read inline (the common case; a receiver runs this for every chunk)."""
     out, pos, size = [], 0, len(data)
     while pos < size:
         start, tag = pos, data[pos]
@@ -567,24 +569,18 @@ def chunk_from_event_bytes(data: bytes) -> KVChunkData | None:
     if len(fields) != 1 or fields[0][:2] != (_EVENT_KV_CHUNK, _WIRE_LEN):
         return None  # first_token, done, or an unusual encoding: protobuf's semantics apply
     body = view[fields[0][3]:fields[0][4]]
-    payload, header, run = {}, [], [0, 0]  # run: the header bytes not yet added to header
+    payload, header, gap = {}, [], 0  # gap: where header bytes not yet in ``header`` begin
     for field, wire, start, value, end in _fields(body):
         if field in (_CHUNK_K, _CHUNK_V) and wire == _WIRE_LEN:
             payload[field] = body[value:end]  # a repeated scalar field: the last one wins
-            if run[1] > run[0]:
-                header.append(body[run[0]:run[1]])
-            run = [end, end]
-        else:
-            run[1] = end
-    if run[1] > run[0]:
-        header.append(body[run[0]:run[1]])
+            if start > gap:
+                header.append(body[gap:start])
+            gap = end
+    if gap < len(body):
+        header.append(body[gap:])
     try:
         msg = serving_pb2.KVChunk.FromString(header[0] if len(header) == 1 else b"".join(header))
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, named for the caller
         raise KVChunkError("kv_chunk", f"malformed protobuf: {exc}") from None
     empty = memoryview(b"")
-    return KVChunkData(
-        msg.request_id, msg.layer_start, msg.layer_end, msg.token_start, msg.token_end,
-        msg.head_start, msg.head_end, _enum_name(serving_pb2.DType, "DTYPE_", msg.dtype, "dtype"),
-        msg.k_scale, msg.v_scale, payload.get(_CHUNK_K, empty), payload.get(_CHUNK_V, empty),
-        msg.crc32c)
+    return chunk_from_proto(msg, payload.get(_CHUNK_K, empty), payload.get(_CHUNK_V, empty))

@@ -324,9 +324,6 @@ class HostileSocketPrefill(pb_grpc.PrefillServicer):
 
     async def Prefill(self, request, context):
         yield pb.PrefillEvent(first_token=pb.FirstToken(token_id=5))
-        if self.how == "missing":
-            yield pb.PrefillEvent(done=pb.PrefillDone(num_chunks=0))
-            return
         fp, n = self.fingerprint, len(request.prompt_token_ids)
         k = torch.zeros(fp.num_layers, n, fp.num_kv_heads, fp.head_dim)
         msg = kv_transfer.chunk_to_proto(next(iter(kv_transfer.encode_chunks(
