@@ -142,6 +142,112 @@ def test_rope_qk_store_refuses_bad_input_and_writes_nothing(ops):
     assert not cache.any()
 
 
+def decoder_layer_case(dtype, seed: int = 0):
+    """A Llama decoder layer (fused QKV, no biases) with random weights in panels, its block cache
+    manager with the paged kernel, a filled cache and one decode step's inputs for 3 rows at
+    different positions (each row its own blocks)."""
+    from nxdi_common.models.llama.modeling_llama import NeuronLlamaDecoderLayer
+    from nxdi_common.modules.kv_cache import BlockKVCacheManager
+    from nxdi_common.modules.linear import PANELS, pack_linear_weights
+    config = LlamaInferenceConfig(
+        fused_config(torch_dtype=dtype), hidden_size=96, intermediate_size=136,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
+        vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5)
+    layer = NeuronLlamaDecoderLayer(config, kv_heads=2)
+    g = torch.Generator().manual_seed(seed)
+    for p in layer.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 0.2 + (p.dim() == 1)).to(dtype)
+    pack_linear_weights(layer, PANELS)
+    ops = kernels.fused_ops()
+    for module in layer.modules():
+        if hasattr(module, "fused"):
+            module.fused = ops
+    block = 8
+    mgr = BlockKVCacheManager(2, 24, block, 2, 32, dtype, dtype)
+    mgr.paged_attention = kernels.paged_attention()
+    cache = (torch.randn(mgr.shape, generator=g) * 0.5).to(dtype)
+    positions = torch.tensor([[5], [30], [61]])
+    table = torch.arange(24).view(3, 8)
+    slots = table.gather(1, positions // block) * block + positions % block
+    index = (torch.arange(3), positions, slots, table)
+    x = torch.randn(3, 1, 96, generator=g).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
+    cos, sin = rope_cos_sin(positions, inv_freq, dtype)
+    return layer, mgr, cache, index, x, cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layer_equals_the_layer_op_by_op(monkeypatch, dtype):
+    """nxdi::decode_layer (one op per token-generation layer) gives the op-by-op layer's output
+    and cache bit for bit: the same kernels, called from C++."""
+    from nxdi_common.models.llama.modeling_llama import NeuronLlamaDecoderLayer
+    layer, mgr, cache, index, x, cos, sin = decoder_layer_case(dtype)
+    assert layer._one_op(mgr, x)
+    calls = []
+    real = kernels.fused_ops().decode_layer
+    monkeypatch.setattr(layer, "fused", type("Ops", (), {
+        "decode_layer": staticmethod(lambda *a: calls.append(1) or real(*a))})())
+    with torch.no_grad():
+        got_cache = cache.clone()
+        got = layer(x, cos, sin, None, got_cache, 1, mgr, index, 64)
+        assert calls == [1]
+        monkeypatch.setattr(NeuronLlamaDecoderLayer, "_one_op", lambda self, mgr, x: False)
+        want_cache = cache.clone()
+        want = layer(x, cos, sin, None, want_cache, 1, mgr, index, 64)
+    assert calls == [1]  # the second run went op by op
+    assert torch.equal(got, want)
+    assert torch.equal(got_cache, want_cache)
+    assert not torch.equal(want_cache, cache)  # the step's keys were stored
+
+
+def test_decode_layer_applies_only_to_what_it_computes():
+    """Biases, weights not in panels, int8 weights or a cache in another dtype keep the op-by-op
+    layer."""
+    from nxdi_common.modules.quantization import QuantizedLinear
+    layer, mgr, cache, index, x, cos, sin = decoder_layer_case(torch.bfloat16)
+    assert layer._one_op(mgr, x)
+    mgr.paged_attention = None
+    assert not layer._one_op(mgr, x)
+    mgr.paged_attention = kernels.paged_attention()
+    layer.self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(96, dtype=torch.bfloat16))
+    assert not layer._one_op(mgr, x)
+    layer.self_attn.o_proj.bias = None
+    layer.mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(96, 136, dtype=torch.bfloat16))
+    assert not layer._one_op(mgr, x)  # plain weight
+    layer.mlp.down_proj = QuantizedLinear(136, 96, False, torch.bfloat16)
+    assert not layer._one_op(mgr, x)
+    assert not decoder_layer_case(torch.float32)[0]._one_op(mgr, x)  # fp32 weights, bf16 x
+
+
+def test_decode_layer_refuses_bad_input_and_writes_nothing(ops):
+    layer, mgr, cache, index, x, cos, sin = decoder_layer_case(torch.float32)
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+               layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+               mlp.down_proj.weight)
+    seq_ids, positions, slots, table = index
+    before = cache.clone()
+
+    def call(x=x, cache=cache, layer_index=1, slots=slots, table=table, positions=positions,
+             q_heads=6):
+        return ops.decode_layer(x, *weights, 1e-5, cos, sin, q_heads, 136, cache, layer_index,
+                                slots, table, positions, 32 ** -0.5)
+    for kwargs, message in [
+        (dict(x=x[0]), r"decode_layer: x must be \[B, S, hidden\]"),
+        (dict(cache=cache[0]), "decode_layer: cache must be"),
+        (dict(layer_index=2), r"layer 2 is not in 0..1"),
+        (dict(slots=slots + 10_000), r"slot \d+ is not in"),
+        (dict(table=table[:2]), r"block_table must be \[B, W\] with B = 3"),
+        (dict(positions=positions.view(1, 3)), r"position_ids must be \[3, 1\]"),
+        (dict(q_heads=0), r"q_heads \(0\) and intermediate"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            call(**kwargs)
+    assert torch.equal(cache, before)
+    call()  # and the good call still runs
+    assert not torch.equal(cache, before)
+
+
 @pytest.mark.parametrize("vocab,k", [(49152, 256), (5000, 64), (300, 256), (256, 256)])
 def test_topk_equals_torch_topk(ops, vocab, k):
     """The fast path (rows of at least 8k values) and the plain one give torch.topk's values and
