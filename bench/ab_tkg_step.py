@@ -3,11 +3,10 @@ block KV cache, compiled), twice, the second time with one optimisation turned o
 two models' steps alternate (--steps each, the first 10 dropped) so that both see the same
 machine; prints the medians and the difference.
 
-    python bench/ab_tkg_step.py --without rope-store|decode-layer [--rows 1 8 16] [--length 256]
+    python bench/ab_tkg_step.py --without rope-store [--rows 1 8 16] [--length 256]
 
 --without rope-store: keys rotated and stored apart (rope_qk, split, stack, index_copy_) instead
-of nxdi::rope_qk_store; --without decode-layer: each token-generation layer as its nine ops
-instead of nxdi::decode_layer. The second model compiles into its own folders (/tmp/nxdi-ab-*)."""
+of nxdi::rope_qk_store. The second model compiles into its own folders (/tmp/nxdi-ab-*)."""
 from __future__ import annotations
 
 import argparse
@@ -24,9 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_tkg_step as tkg  # noqa: E402
 
 WITHOUT = {"rope-store": ("nxdi_common.modules.attention", "NeuronAttention", "_stores_in_one_op",
-                          lambda self, mgr, dtype: False),
-           "decode-layer": ("nxdi_common.models.llama.modeling_llama", "NeuronLlamaDecoderLayer",
-                            "_one_op", lambda self, mgr, x: False)}
+                          lambda self, mgr, dtype: False)}
 
 
 def load(opts):

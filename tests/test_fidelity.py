@@ -402,27 +402,6 @@ def test_block_kv_layout(zoo, tmp_path, backend, kernel):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_decode_layer_op_matches_transformers(zoo, tmp_path, backend):
-    """Panels, fused QKV, the block cache and the paged kernel (a bf16 decode worker's set-up,
-    in fp32 here): every token-generation layer runs as one nxdi::decode_layer, and the logits
-    still match transformers'."""
-    block = 8
-    model = build(zoo.checkpoint("gqa_tied", "safetensors"), backend, tmp_path,
-                  is_block_kv_layout=True, pa_block_size=block, pa_num_blocks=3 * SEQ_LEN // block,
-                  cpu_weight_layout="panels", fused_qkv=True)
-    probe = torch.empty(0)
-    assert all(layer._one_op(model._model.kv_mgr, probe) for layer in model._model.layers)
-    if backend == "compiled":
-        graph = str(next(iter(model.token_generation_model.runnables.values())).inlined_graph)
-        assert graph.count("nxdi::decode_layer") == len(model._model.layers)
-        assert "nxdi::rope_qk_store" not in graph
-    for lengths in (PROMPT_LENS, SHORT_LENS):
-        refs = zoo.reference("gqa_tied", lengths)
-        assert_matches(run(model, zoo.prompts("gqa_tied", lengths), refs), refs,
-                       what="decode_layer")
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_block_kv_layout_with_caller_block_table(zoo, tmp_path, backend, side):
     """Shuffled, non-contiguous blocks given as slot_mapping / block_table (in input_ids' own

@@ -3,10 +3,8 @@
 One library, built (once per source, torch version and CPU) from `paged_attention.cpp`
 (`torch.ops.nxdi.paged_decode_attention`), `fused_ops.cpp` (`torch.ops.nxdi.rms_norm`,
 `rope_qk`, `rope_qk_store`, `silu_mul`, `topk`), `causal_attention.cpp` (`torch.ops.nxdi.causal_attention`,
-context encoding's attention, and `chunk_attention`, a prompt chunk's over the cache),
-`panel_linear.cpp` (`torch.ops.nxdi.panel_linear`, linear layers on CPUs without AMX) and
-`decode_layer.cpp` (`torch.ops.nxdi.decode_layer`, a token-generation decoder layer calling the
-others directly through `ops.h`), which share `simd.h`. `paged_attention()` and `fused_ops()`
+context encoding's attention, and `chunk_attention`, a prompt chunk's over the cache) and `panel_linear.cpp` (`torch.ops.nxdi.panel_linear`, linear layers
+on CPUs without AMX), which share `simd.h`. `paged_attention()` and `fused_ops()`
 build and load it. The build needs a C++ compiler and ninja (both on the target machines; the
 `ninja` wheel is a dependency); where it fails, `kernels_unavailable_reason()` says why and the
 models keep the torch paths. Build output lands under $NXDI_KERNEL_CACHE (default ~/.cache/nxdi_serving/kernels)."""
@@ -35,8 +33,8 @@ TORCH_OPS, FUSED = "torch", "fused"
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "paged_attention.cpp", _HERE / "fused_ops.cpp",
-            _HERE / "causal_attention.cpp", _HERE / "panel_linear.cpp", _HERE / "decode_layer.cpp")
-_HEADERS = (_HERE / "simd.h", _HERE / "panel_tile.h", _HERE / "ops.h")
+            _HERE / "causal_attention.cpp", _HERE / "panel_linear.cpp")
+_HEADERS = (_HERE / "simd.h", _HERE / "panel_tile.h")
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "error": None once loaded, else why it is unavailable
 

@@ -6,7 +6,6 @@
 //
 // Registered as torch.ops.nxdi.{rms_norm, rope_qk, rope_qk_store, silu_mul, topk} in the same library as the paged
 // attention kernel, so traced graphs record them as single ops.
-#include "ops.h"
 #include "simd.h"
 
 #include <ATen/Parallel.h>
@@ -97,10 +96,8 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, floa
   });
 }
 
-}  // namespace
-
 // x [..., n] -> weight * normalized x, in x's dtype.
-at::Tensor nxdi_ops::rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x_in.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x_in.size(-1),
               "rms_norm: weight must be [n] for x [..., n]; got x ", x_in.sizes(), ", weight ",
               weight.sizes());
@@ -115,8 +112,6 @@ at::Tensor nxdi_ops::rms_norm(const at::Tensor& x_in, const at::Tensor& weight, 
   });
   return out;
 }
-
-namespace {
 
 // RoPE of one head as modules/rope.py's apply_rope computes it: x * cos + roll(x, D/2) *
 // signed_sin, each product and the sum rounded to the dtype.
@@ -200,16 +195,14 @@ at::Tensor rope_qk(const at::Tensor& x_in, const at::Tensor& cos_in, const at::T
   return out;
 }
 
-}  // namespace
-
 // A fused attention's q, k, v heads x [B, S, q_heads + 2 * kv_heads, D] (q, then k, then v):
 // q and k rotated as rope_qk rotates them, k and v stored in layer `layer` of the block KV cache
 // [layers, 2, blocks, block_size, kv_heads, D] at slots [B, S] (slot = block * block_size +
 // offset), as the block cache manager's write stores them. Returns the rotated q [B, S, q_heads,
 // D]. One op instead of rope, split, transposes, stack and index_copy_ per layer.
-at::Tensor nxdi_ops::rope_qk_store(const at::Tensor& x_in, const at::Tensor& cos_in,
-                                   const at::Tensor& sin_in, int64_t q_heads, at::Tensor& cache,
-                                   int64_t layer, const at::Tensor& slots_in) {
+at::Tensor rope_qk_store(const at::Tensor& x_in, const at::Tensor& cos_in,
+                         const at::Tensor& sin_in, int64_t q_heads, at::Tensor& cache,
+                         int64_t layer, const at::Tensor& slots_in) {
   check_rope_inputs("rope_qk_store", x_in, cos_in, sin_in);
   const int64_t b = x_in.size(0), s = x_in.size(1), heads = x_in.size(2), d = x_in.size(3);
   const int64_t kv_heads = (heads - q_heads) / 2;
@@ -252,8 +245,6 @@ at::Tensor nxdi_ops::rope_qk_store(const at::Tensor& x_in, const at::Tensor& cos
   return q;
 }
 
-namespace {
-
 // F.silu(gate) * up for x = [gate | up] on the last dimension, as the MLP computes it: silu in
 // float32 (gate / (1 + e^-gate)) rounded to the dtype, then the product rounded.
 template <typename T>
@@ -289,9 +280,7 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
   });
 }
 
-}  // namespace
-
-at::Tensor nxdi_ops::silu_mul(const at::Tensor& x_in) {
+at::Tensor silu_mul(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) % 2 == 0,
               "silu_mul: the last dimension must be [gate | up], even, got ", x_in.sizes());
   const at::Tensor x = x_in.contiguous();
@@ -305,8 +294,6 @@ at::Tensor nxdi_ops::silu_mul(const at::Tensor& x_in) {
   });
   return out;
 }
-
-namespace {
 
 // Top-k of one float32 row, sorted by value (descending), equal values by index (ascending);
 // NaN counts as larger than any number, as in torch.topk. With AVX-512 or AVX2 and a row of at
@@ -567,10 +554,10 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
 }
 
 TORCH_LIBRARY_IMPL(nxdi, CPU, m) {
-  m.impl("rms_norm", &nxdi_ops::rms_norm);
+  m.impl("rms_norm", &rms_norm);
   m.impl("rope_qk", &rope_qk);
-  m.impl("rope_qk_store", &nxdi_ops::rope_qk_store);
-  m.impl("silu_mul", &nxdi_ops::silu_mul);
+  m.impl("rope_qk_store", &rope_qk_store);
+  m.impl("silu_mul", &silu_mul);
   m.impl("topk", &topk);
   m.impl("copy_blocks", &copy_blocks);
   m.impl("write_prompt_kv", &write_prompt_kv);

@@ -9,7 +9,6 @@
 //
 // Registered as torch.ops.nxdi.paged_decode_attention, so torch.jit.trace records it as one graph op
 // and a traced graph that uses it loads in any process that has loaded this library first.
-#include "ops.h"
 #include "simd.h"
 
 #include <ATen/Parallel.h>
@@ -568,16 +567,13 @@ void dispatch_kv(const Shapes& s, const at::Tensor& q, const at::Tensor& k, cons
   }
 }
 
-}  // namespace
-
 // q [B, H, S, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table [B, W];
 // position_ids [B, S]: query s of row b attends to positions 0..position_ids[b, s], position p
 // lying in block block_table[b, p / block_size] at offset p % block_size. Query head h reads KV
 // head h / (H / Hkv), as SDPA's enable_gqa does. Returns [B, H, S, D] in q's dtype.
-at::Tensor nxdi_ops::paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
-                                            const at::Tensor& v_cache,
-                                            const at::Tensor& block_table,
-                                            const at::Tensor& position_ids, double scale) {
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_table,
+                                  const at::Tensor& position_ids, double scale) {
   TORCH_CHECK(q_in.dim() == 4, "paged_decode_attention: q must be [B, H, S, D], got ", q_in.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "paged_decode_attention: k_cache and v_cache must both be [blocks, block_size, Hkv, D]");
@@ -609,11 +605,11 @@ at::Tensor nxdi_ops::paged_decode_attention(const at::Tensor& q_in, const at::Te
   return out;
 }
 
+}  // namespace
+
 TORCH_LIBRARY(nxdi, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor position_ids, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(nxdi, CPU, m) {
-  m.impl("paged_decode_attention", &nxdi_ops::paged_decode_attention);
-}
+TORCH_LIBRARY_IMPL(nxdi, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

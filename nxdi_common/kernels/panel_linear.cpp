@@ -19,7 +19,6 @@
 //
 // Registered as torch.ops.nxdi.panel_linear in the same library as our other kernels.
 #include "panel_tile.h"
-#include "ops.h"
 #include "simd.h"
 
 #include <ATen/Parallel.h>
@@ -275,15 +274,13 @@ void dispatch_16_or_32(at::ScalarType type, const char* what, const char* allowe
   }
 }
 
-}  // namespace
-
 // x [..., K] -> [..., out_features] in x's dtype: x @ (W * scale)^T (+ bias) (+ residual), W
 // given as panels [P, K, 16] (pack_panels) with P = ceil(out_features / 16); scale ([1] or
 // [out_features], any floating dtype) is required for int8 panels, optional for the others.
-at::Tensor nxdi_ops::panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in,
-                                  int64_t out_features, const std::optional<at::Tensor>& bias_in,
-                                  const std::optional<at::Tensor>& residual_in,
-                                  const std::optional<at::Tensor>& scale_in) {
+at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int64_t out_features,
+                        const std::optional<at::Tensor>& bias_in,
+                        const std::optional<at::Tensor>& residual_in,
+                        const std::optional<at::Tensor>& scale_in) {
   TORCH_CHECK(panels_in.dim() == 3 && panels_in.size(2) == kNR,
               "panel_linear: panels must be [P, K, 16], got ", panels_in.sizes());
   const int64_t K = panels_in.size(1), P = panels_in.size(0);
@@ -349,10 +346,11 @@ at::Tensor nxdi_ops::panel_linear(const at::Tensor& x_in, const at::Tensor& pane
   return out;
 }
 
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nxdi, m) {
   m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None, "
         "Tensor? residual=None, Tensor? scale=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(nxdi, CPU, m) { m.impl("panel_linear", &nxdi_ops::panel_linear); }
+TORCH_LIBRARY_IMPL(nxdi, CPU, m) { m.impl("panel_linear", &panel_linear); }

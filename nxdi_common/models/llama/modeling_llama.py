@@ -103,33 +103,11 @@ class NeuronLlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = NeuronLlamaMLP(config.hidden_size, config.intermediate_size,
                                   bool(getattr(config, "mlp_bias", False)), dtype, device)
-        self.fused = None  # torch.ops.nxdi with NeuronConfig.cpu_fused_ops: decode_layer
 
     def forward(self, x, cos, sin, mask, cache, layer, kv_mgr, index, kv_len, mixed=None):
-        if kv_len is not None and mixed is None and x.shape[1] == 1 and self._one_op(kv_mgr, x):
-            attn, mlp = self.self_attn, self.mlp
-            return self.fused.decode_layer(
-                x, self.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
-                self.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-                mlp.down_proj.weight, self.input_layernorm.eps, cos, sin, attn.num_heads,
-                mlp.down_proj.in_features, cache, layer, index[2], index[3], index[1],
-                attn.head_dim ** -0.5)
         x = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, kv_mgr, index,
                            kv_len, residual=x, mixed=mixed)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
-
-    def _one_op(self, kv_mgr, x) -> bool:
-        """Whether token generation's layer can run as nxdi::decode_layer: the same ops as the
-        path below (fused norms, RoPE + store, the paged kernel), every linear weight in bf16,
-        fp16 or fp32 panels without bias, one eps. Decided per traced graph."""
-        attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) \
-            if attn.fused_qkv else ()
-        return (self.fused is not None and kv_mgr.paged_attention is not None
-                and attn._stores_in_one_op(kv_mgr, x.dtype) and len(linears) == 4
-                and all(type(m) is Linear and m._panels() and m.bias is None
-                        and m.weight.dtype == x.dtype for m in linears)
-                and self.input_layernorm.eps == self.post_attention_layernorm.eps)
 
 
 class NeuronLlamaModel(NeuronBaseModel):
