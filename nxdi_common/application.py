@@ -127,17 +127,21 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         b = input_ids.shape[0]
         seq_ids = torch.arange(b, dtype=torch.int32) if seq_ids is None else seq_ids.to(torch.int32)
         limit = self.neuron_config.max_batch_size
-        if (seq_ids.shape != (b,) or int(seq_ids.min()) < 0 or int(seq_ids.max()) >= limit
-                or len(torch.unique(seq_ids)) != b):
+        ids = seq_ids.tolist()  # a batch's few ints, checked in Python: no tensor op per check
+        if (seq_ids.shape != (b,) or not ids or min(ids) < 0 or max(ids) >= limit
+                or len(set(ids)) != b):
             raise ValueError(f"seq_ids must be {b} distinct ids in [0, {limit}) (max_batch_size); "
-                             f"got {seq_ids.tolist()}")
+                             f"got {ids}")
         return seq_ids
 
     def _check_token_ids(self, ids) -> None:
         """Token ids must index the vocabulary (an out-of-range id fails deep in the embedding)."""
         vocab = self.config.vocab_size
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        if not ids.numel():
+            return
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
             raise ValueError(f"token id {bad} is out of range: input_ids must be in [0, {vocab}) "
                              f"(vocab_size)")
 
@@ -171,7 +175,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         params, rand = self._sampling_inputs(b, sampling_params, rand)
         inputs = (ids, mask, positions, seq_ids, params, rand, slots, table)
         outputs = self.context_encoding_model(inputs, self.kv_cache, self.weights, self.scratch)
-        self.next_positions[seq_ids.long()] = lengths
+        self.next_positions.index_copy_(0, seq_ids.long(), lengths)
         self.kv_cache_populated = True
         return self._output(outputs)
 
@@ -181,7 +185,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         inputs = self._graph_inputs(input_ids, position_ids, seq_ids, sampling_params, slots,
                                     table, rand)
         outputs = self.token_generation_model(inputs, self.kv_cache, self.weights, self.scratch)
-        self.next_positions[seq_ids.long()] = position_ids[:, 0] + 1
+        self.next_positions.index_copy_(0, seq_ids.long(), position_ids[:, 0] + 1)
         return self._output(outputs)
 
     def _token_gen_positions(self, input_ids, position_ids, seq_ids) -> torch.Tensor:
@@ -205,7 +209,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         inputs = self._graph_inputs(input_ids, position_ids, seq_ids, sampling_params, slots,
                                     table, rand)
         outputs = self.chunked_prefill_model(inputs, self.kv_cache, self.weights, self.scratch)
-        self.next_positions[seq_ids.long()] = position_ids[:, -1] + 1
+        self.next_positions.index_copy_(0, seq_ids.long(), position_ids[:, -1] + 1)
         self.kv_cache_populated = True
         return self._output(outputs)
 
@@ -251,8 +255,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                   rows("seq_ids"), rows("sampling_params"), rows("rand"), tokens("slot_mapping"),
                   rows("block_table"))
         outputs = self.mixed_model(inputs, self.kv_cache, self.weights, self.scratch)
-        self.next_positions[c_seq.long()] = c_pos[:, -1] + 1
-        self.next_positions[d_seq.long()] = d_pos[:, 0] + 1
+        self.next_positions.index_copy_(0, c_seq.long(), c_pos[:, -1] + 1)
+        self.next_positions.index_copy_(0, d_seq.long(), d_pos[:, 0] + 1)
         self.kv_cache_populated = True
         return self._output(outputs)
 
@@ -260,10 +264,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                       rand) -> tuple:
         """The 8 graph inputs of a call whose every token is real (token generation, a chunk):
         checked positions [B, S] given."""
-        mask = torch.ones_like(positions)
-        slots, table = self._block_indices(seq_ids, positions, mask, slots, table)
+        slots, table = self._block_indices(seq_ids, positions, None, slots, table)
         params, rand = self._sampling_inputs(positions.shape[0], sampling_params, rand)
-        return (input_ids.long(), mask, positions, seq_ids, params, rand, slots, table)
+        return (input_ids.long(), torch.ones_like(positions), positions, seq_ids, params, rand,
+                slots, table)
 
     def _chunk_positions(self, input_ids, position_ids) -> torch.Tensor:
         """Checked [1, S] positions of a chunk of a prompt."""
@@ -288,12 +292,15 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return position_ids
 
     def _block_indices(self, seq_ids, positions, mask, slots, table):
-        """slot_mapping / block_table for the block layout (contiguous default), dummies for flat."""
+        """slot_mapping / block_table for the block layout (contiguous default), dummies for flat.
+        mask None: every position is a real token (none writes to the scratch block)."""
         nc = self.neuron_config
         b = positions.shape[0]
         if not nc.is_block_kv_layout:
             return torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1, dtype=torch.long)
         if slots is not None and table is not None:  # padding positions write to scratch
+            if mask is None:
+                return slots.long(), table.long()
             pad = torch.full_like(slots.long(), self.scratch[1] * nc.pa_block_size)
             return torch.where(mask.bool(), slots.long(), pad), table.long()
         bs, per_seq = nc.pa_block_size, -(-nc.seq_len // nc.pa_block_size)
@@ -302,7 +309,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                              "contiguous block range per sequence")
         table = seq_ids.long().unsqueeze(1) * per_seq + torch.arange(per_seq)  # [B, per_seq]
         slots = table.gather(1, positions // bs) * bs + positions % bs
-        slots = torch.where(mask.bool(), slots, torch.full_like(slots, self.scratch[1] * bs))
+        if mask is not None:
+            slots = torch.where(mask.bool(), slots, torch.full_like(slots, self.scratch[1] * bs))
         return slots, table
 
     def _output(self, outputs) -> CausalLMOutput:
