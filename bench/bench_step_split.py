@@ -31,8 +31,12 @@ from nxdi_common.modules.linear import Linear  # noqa: E402
 
 def products_of(model):
     """(x, panels, out_features) for every linear layer of the model, in forward order."""
+    linears = [m for m in model._model.modules() if isinstance(m, Linear)]
+    if not all(m._panels() for m in linears):
+        sys.exit(f"the weights are in the {model.weight_layout!r} layout, not panels: this "
+                 "benchmark times the panel kernel (CPUs with AVX2 and without AMX)")
     return [(torch.randn(1, 1, m.in_features, dtype=torch.bfloat16), m.weight, m.out_features)
-            for m in model._model.modules() if isinstance(m, Linear)]
+            for m in linears]
 
 
 def step_against_products(model, length: int, rounds: int) -> None:

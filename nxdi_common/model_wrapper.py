@@ -163,7 +163,8 @@ class ModelWrapper:
         slot_fill = scratch_block * self._block_size()
         step = 1 if self.is_context else 0
         if s > pos.shape[1]:
-            pos = torch.cat([pos, pos[:, -1:] + step * torch.arange(1, s - pos.shape[1] + 1)], dim=1)
+            more = torch.arange(1, s - pos.shape[1] + 1)
+            pos = torch.cat([pos, pos[:, -1:] + step * more], dim=1)
         rows = [_pad(_pad(ids, 1, s, 0), 0, b, 0), _pad(_pad(mask, 1, s, 0), 0, b, 0),
                 _pad(pos, 0, b, 0), _pad(seq, 0, b, scratch_row), _pad(params, 0, b, 1.0),
                 _pad(rand, 0, b, 0.0), _pad(_pad(slots, 1, s, slot_fill), 0, b, slot_fill),

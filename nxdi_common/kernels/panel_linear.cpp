@@ -148,6 +148,7 @@ struct PanelPairs {
   const c10::BFloat16* panel;  // [K, 16]
   const __m512i* pairs;        // [ceil(K / 2)] interleaved, or null
   int64_t K;
+  bool prefetch;               // read from memory by several rows: prefetch kPrefetchBytes ahead
   __m512bh operator()(int64_t i) const {
     if (pairs != nullptr) return (__m512bh)_mm512_load_si512(pairs + i);
     return (__m512bh)interleave_rows(panel + 2 * i * kNR,
@@ -180,9 +181,9 @@ void dot_tile(const c10::BFloat16* x, int64_t ldx, const PanelPairs* w_at, int64
       for (int q = 0; q < NP; ++q) acc[h][r][q] = _mm512_setzero_ps();
   const int64_t full = K / 2;  // pairs with both x values in the row
   int64_t i = 0;
-  const bool from_memory = w_at[0].pairs == nullptr && MR * NP > 1;  // one row: see above
+  const bool prefetch = w_at[0].prefetch;
   for (; i + kChains <= full; i += kChains) {
-    if (from_memory)  // a pair of panel rows is one 64-byte line
+    if (prefetch)  // a pair of panel rows is one 64-byte line
       for (int q = 0; q < NP; ++q)
         for (int h = 0; h < kChains; ++h)
           __builtin_prefetch(reinterpret_cast<const char*>(w_at[q].panel + 2 * (i + h) * kNR) +
@@ -237,7 +238,9 @@ void dot_panel_rows(const Problem& pb, const BF16* x, const BF16* panels, int64_
                     std::vector<float>& scratch) {
   const int64_t npairs = (pb.K + 1) / 2;
   PanelPairs w_at[2];
-  for (int q = 0; q < np; ++q) w_at[q] = {panels + (p + q) * pb.K * kNR, nullptr, pb.K};
+  const bool prefetch = pb.M > 1;  // one row: one stream, no software prefetch (see dot_tile)
+  for (int q = 0; q < np; ++q)
+    w_at[q] = {panels + (p + q) * pb.K * kNR, nullptr, pb.K, prefetch};
   if (m1 - m0 > kOnTheFlyRows) {
     scratch.resize(np * npairs * 16 + 16);  // 64-byte pairs, 16 floats each, room to align
     auto* pairs = reinterpret_cast<__m512i*>(
@@ -246,6 +249,7 @@ void dot_panel_rows(const Problem& pb, const BF16* x, const BF16* panels, int64_
       for (int64_t i = 0; i < npairs; ++i)
         _mm512_store_si512(pairs + q * npairs + i, (__m512i)w_at[q](i));
       w_at[q].pairs = pairs + q * npairs;
+      w_at[q].prefetch = false;
     }
   }
   float c[2 * kDotMR * kNR];
@@ -260,7 +264,7 @@ void dot_panel_rows(const Problem& pb, const BF16* x, const BF16* panels, int64_
 
 void run_dot(const Problem& pb, const BF16* x, const BF16* panels, const BF16* bias,
              const BF16* residual, BF16* out) {
-  const int step = pb.M == 1 ? 1 : 2;  // one row: one sequential stream (dot_tile)
+  const int step = pb.M == 1 ? 1 : 2;  // one row: one panel at a time (dot_tile)
   for_each_task(pb, sizeof(BF16), kDotMR, step, [&](int64_t p, int np, int64_t m0, int64_t m1,
                                                     auto& buf) {
     dot_panel_rows(pb, x, panels, p, np, m0, m1, bias, residual, out, buf);
