@@ -3,8 +3,9 @@ product is the exact product rounded once to the dtype, to float32 summation err
 tile shape (1-6 rows, a widened panel from 7 rows), partial panels, bias and residual, int8
 panels with their scale; Linear uses it when its weight is in panels, traced graphs take panels
 as inputs, a model built with it gives the plain layout's tokens, "auto" picks it on x86 CPUs
-without AMX, bfloat16 products run on the CPU's bf16 dot products where it has them, and bad
-arguments are refused with the argument named."""
+without AMX, bfloat16 products run on the CPU's bf16 dot products where it has them (from
+bfloat16 weights in pairs, the layout packed there, with the same results as from panels), and
+bad arguments are refused with the argument named."""
 import io
 import json
 
@@ -17,7 +18,8 @@ from nxdi_common.application_base import MANIFEST
 from nxdi_common.config import NeuronConfig
 from nxdi_common.models.llama import NeuronLlamaForCausalLM
 from nxdi_common.models.llama.modeling_llama import LlamaInferenceConfig
-from nxdi_common.modules.linear import PANELS, PLAIN, Linear, pack_linear_weights, pack_panels
+from nxdi_common.modules.linear import (PANELS, PLAIN, Linear, pack_linear_weights, pack_panels,
+                                       panel_pairs_native)
 from nxdi_common.modules.quantization import dequantize, quantize_tensor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,11 +46,54 @@ def assert_rounded_product(got, x, w, bias=None, residual=None):
 
 def test_pack_panels_layout():
     w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3).bfloat16()
-    p = pack_panels(w)
+    p = pack_panels(w, pairs=False)
     assert p.shape == (2, 3, 16) and p.dtype == torch.bfloat16
     for n in range(20):
         assert torch.equal(p[n // 16, :, n % 16], w[n])
     assert torch.equal(p[1, :, 4:], torch.zeros(3, 12, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("out_features, in_features", [(20, 7), (32, 6), (16, 1)])
+def test_pack_panels_pairs_layout(out_features, in_features):
+    """pairs[p, i, 2j + h] = w[16p + j, 2i + h]; zero past the last output and the last input."""
+    w = (torch.arange(out_features * in_features, dtype=torch.float32) + 1).view(
+        out_features, in_features).bfloat16()
+    p = pack_panels(w, pairs=True)
+    panels, half = -(-out_features // 16), -(-in_features // 2)
+    assert p.shape == (panels, half, 32) and p.dtype == torch.bfloat16
+    expect = torch.zeros(panels * 16, 2 * half, dtype=torch.bfloat16)
+    expect[:out_features, :in_features] = w
+    for n in range(panels * 16):
+        for k in range(2 * half):
+            assert p[n // 16, k // 2, 2 * (n % 16) + k % 2] == expect[n, k], (n, k)
+    with pytest.raises(ValueError, match="only bfloat16 weights come in pairs, got torch.float16"):
+        pack_panels(w.half(), pairs=True)
+
+
+def test_bf16_weights_come_in_pairs_where_the_kernel_multiplies_them_natively():
+    native = panel_pairs_native()
+    assert native == ("avx512_bf16" in kernels.cpu_flags())
+    assert pack_panels(torch.ones(16, 4).bfloat16()).shape == ((1, 2, 32) if native else (1, 4, 16))
+    assert pack_panels(torch.ones(16, 4).half()).shape == (1, 4, 16)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 16, 33, 40])
+@pytest.mark.parametrize("in_features", [77, 64])
+def test_pairs_give_the_panels_results_bit_for_bit(ops, rows, in_features):
+    """The same sums in the same order from either layout: bf16 x on the dot products (its
+    tiles of 8 rows, pairs read in place vs interleaved on the fly up to 32 rows and once past),
+    float32 x on the float32 path (which reorders pairs back into panels); bias and residual."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(40, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    bias, residual = torch.randn(40, generator=g).bfloat16(), torch.randn(rows, 40).bfloat16()
+    pairs, panels = pack_panels(w, pairs=True), pack_panels(w, pairs=False)
+    for args in ((), (bias,), (None, residual), (bias, residual)):
+        got = ops.panel_linear(x, pairs, 40, *args)
+        assert torch.equal(got, ops.panel_linear(x, panels, 40, *args))
+    assert_rounded_product(ops.panel_linear(x, pairs, 40), x, w)
+    assert torch.equal(ops.panel_linear(x.float(), pairs, 40),
+                       ops.panel_linear(x.float(), panels, 40))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 24, 30, 301])
@@ -59,7 +104,7 @@ def test_product_is_the_rounded_exact_product(ops, rows, wdtype):
     w = torch.randn(out_features, in_features, generator=g).to(wdtype)
     xdtype = torch.float32 if wdtype == torch.float32 else wdtype
     x = torch.randn(rows, in_features, generator=g).to(xdtype)
-    assert_rounded_product(ops.panel_linear(x, pack_panels(w), out_features), x, w)
+    assert_rounded_product(ops.panel_linear(x, pack_panels(w, pairs=False), out_features), x, w)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 9, 20, 33])
@@ -70,13 +115,14 @@ def test_bf16_products_run_on_bf16_dot_products_where_the_cpu_has_them(ops, rows
     tiles (8 rows) and its panels interleaved on the fly (<= 32 rows) and once (more)."""
     tiny = torch.full((rows, 33), 2.0 ** -130).bfloat16()  # subnormal in bf16 and float32
     w = torch.ones(20, 33).bfloat16()  # two panels, the second partial; odd K
-    got = ops.panel_linear(tiny, pack_panels(w), 20).float()
+    got = ops.panel_linear(tiny, pack_panels(w, pairs=False), 20).float()
     if "avx512_bf16" in kernels.cpu_flags():
         assert not got.any()
     else:
         assert bool((got > 0).all())
     normal = torch.randn(rows, 33).bfloat16()
-    assert_rounded_product(ops.panel_linear(normal, pack_panels(w), 20), normal, w)
+    assert_rounded_product(ops.panel_linear(normal, pack_panels(w, pairs=False), 20), normal, w)
+    assert_rounded_product(ops.panel_linear(normal, pack_panels(w, pairs=True), 20), normal, w)
 
 
 @pytest.mark.parametrize("rows", [1, 6, 7, 30])
@@ -121,7 +167,7 @@ def test_strided_input_is_read_as_its_values(ops):
 
 
 def test_bad_arguments_are_refused(ops):
-    p = pack_panels(torch.randn(40, 16).bfloat16())
+    p = pack_panels(torch.randn(40, 16).bfloat16(), pairs=False)
     x = torch.randn(2, 16).bfloat16()
     for call, match in (
             (lambda: ops.panel_linear(x, p[0], 40), "panels must be \\[P, K, 16\\]"),
@@ -142,12 +188,26 @@ def test_bad_arguments_are_refused(ops):
             call()
 
 
+def test_bad_pairs_are_refused(ops):
+    p = pack_panels(torch.randn(40, 16).bfloat16(), pairs=True)  # [3, 8, 32]
+    for call, match in (
+            (lambda: ops.panel_linear(torch.randn(2, 14).bfloat16(), p, 40),
+             "x must be \\[..., 15\\] or \\[..., 16\\] for pairs of 8 rows"),
+            (lambda: ops.panel_linear(torch.randn(2, 16).bfloat16(), p.half(), 40),
+             "only bfloat16 panels come in pairs, got Half"),
+            (lambda: ops.panel_linear(torch.randn(2, 16).bfloat16(), p[:, :, :24], 40),
+             "panels must be \\[P, K, 16\\] or bfloat16 pairs \\[P, ceil\\(K / 2\\), 32\\]")):
+        with pytest.raises(RuntimeError, match=match):
+            call()
+
+
 def _pair(bias: bool):
     torch.manual_seed(0)
     plain = Linear(40, 48, bias=bias, dtype=torch.bfloat16)
     paneled = Linear(40, 48, bias=bias, dtype=torch.bfloat16)
     paneled.load_state_dict(plain.state_dict())
-    assert pack_linear_weights(paneled, PANELS) == 1 and paneled.weight.shape == (3, 40, 16)
+    assert pack_linear_weights(paneled, PANELS) == 1
+    assert paneled.weight.shape == ((3, 20, 32) if panel_pairs_native() else (3, 40, 16))
     return plain, paneled
 
 

@@ -13,6 +13,15 @@
 // float32; the result is rounded once to the dtype after bias and residual are added, as torch's
 // addmm does.
 //
+// With bfloat16 dot products (run_dot) bfloat16 panels may come with their rows already in pairs
+// (pack_panels' `pairs` layout, what modules/linear.py packs on such CPUs):
+//
+//     pairs [P, ceil(K / 2), 32]: pairs[p, i, 2j + h] = W[16p + j, 2i + h]  (zero past K)
+//
+// the order the dot products take them in, so the tiles load 64 bytes per k pair and shuffle
+// nothing; from [P, K, 16] panels every tile interleaves each pair itself (a vpermw on the port
+// the dot products also use). Any other path multiplies pairs as panels after reordering them.
+//
 // int8 weights (modules/quantization.py) use the same panels, 16 bytes a row, and a float32 scale
 // per output that multiplies the sums before bias and residual: w = int8 * scale, so the product
 // reads half the bytes of bfloat16, which is what a one-row (decode) product is bound by.
@@ -143,14 +152,15 @@ inline __m512i interleave_rows(const c10::BFloat16* row, const c10::BFloat16* ne
 }
 
 // The panel's rows 2i and 2i + 1 interleaved (32 values; with K odd the last pair's second row
-// is zero): read from `pairs` where dot_panel_rows interleaved them once, else made here.
+// is zero): read from `pairs` where the weights come in pairs or dot_panel_rows interleaved them
+// once, else made here.
 struct PanelPairs {
   const c10::BFloat16* panel;  // [K, 16]
-  const __m512i* pairs;        // [ceil(K / 2)] interleaved, or null
+  const __m512i* pairs;        // [ceil(K / 2)] interleaved, or null (then `panel` is [K, 16])
   int64_t K;
   bool prefetch;               // read from memory by several rows: prefetch kPrefetchBytes ahead
   __m512bh operator()(int64_t i) const {
-    if (pairs != nullptr) return (__m512bh)_mm512_load_si512(pairs + i);
+    if (pairs != nullptr) return (__m512bh)_mm512_loadu_si512(pairs + i);
     return (__m512bh)interleave_rows(panel + 2 * i * kNR,
                                      2 * i + 1 < K ? panel + (2 * i + 1) * kNR : nullptr);
   }
@@ -233,15 +243,19 @@ void dot_tile_rows(int rows, int np, const c10::BFloat16* x, int64_t ldx, const 
 // 1.5x slower); with more rows each panel is interleaved once into `scratch` (K * 16 values a
 // panel) and read by every tile of kDotMR rows.
 using BF16 = c10::BFloat16;
-void dot_panel_rows(const Problem& pb, const BF16* x, const BF16* panels, int64_t p, int np,
-                    int64_t m0, int64_t m1, const BF16* bias, const BF16* residual, BF16* out,
-                    std::vector<float>& scratch) {
+// With `paired` weights (pairs layout) the tiles read the pairs from the weights themselves.
+void dot_panel_rows(const Problem& pb, const BF16* x, const BF16* panels, bool paired, int64_t p,
+                    int np, int64_t m0, int64_t m1, const BF16* bias, const BF16* residual,
+                    BF16* out, std::vector<float>& scratch) {
   const int64_t npairs = (pb.K + 1) / 2;
   PanelPairs w_at[2];
   const bool prefetch = pb.M > 1;  // one row: one stream, no software prefetch (see dot_tile)
-  for (int q = 0; q < np; ++q)
-    w_at[q] = {panels + (p + q) * pb.K * kNR, nullptr, pb.K, prefetch};
-  if (m1 - m0 > kOnTheFlyRows) {
+  const int64_t stride = paired ? npairs * 2 * kNR : pb.K * kNR;  // values a panel
+  for (int q = 0; q < np; ++q) {
+    const BF16* panel = panels + (p + q) * stride;
+    w_at[q] = {panel, paired ? reinterpret_cast<const __m512i*>(panel) : nullptr, pb.K, prefetch};
+  }
+  if (!paired && m1 - m0 > kOnTheFlyRows) {
     scratch.resize(np * npairs * 16 + 16);  // 64-byte pairs, 16 floats each, room to align
     auto* pairs = reinterpret_cast<__m512i*>(
         (reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
@@ -262,12 +276,12 @@ void dot_panel_rows(const Problem& pb, const BF16* x, const BF16* panels, int64_
   }
 }
 
-void run_dot(const Problem& pb, const BF16* x, const BF16* panels, const BF16* bias,
-             const BF16* residual, BF16* out) {
+void run_dot(const Problem& pb, const BF16* x, const BF16* panels, bool paired,
+             const BF16* bias, const BF16* residual, BF16* out) {
   const int step = pb.M == 1 ? 1 : 2;  // one row: one panel at a time (dot_tile)
   for_each_task(pb, sizeof(BF16), kDotMR, step, [&](int64_t p, int np, int64_t m0, int64_t m1,
                                                     auto& buf) {
-    dot_panel_rows(pb, x, panels, p, np, m0, m1, bias, residual, out, buf);
+    dot_panel_rows(pb, x, panels, paired, p, np, m0, m1, bias, residual, out, buf);
   });
 }
 #endif  // __AVX512BF16__
@@ -290,11 +304,22 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int
                         const std::optional<at::Tensor>& bias_in,
                         const std::optional<at::Tensor>& residual_in,
                         const std::optional<at::Tensor>& scale_in) {
-  TORCH_CHECK(panels_in.dim() == 3 && panels_in.size(2) == kNR,
-              "panel_linear: panels must be [P, K, 16], got ", panels_in.sizes());
-  const int64_t K = panels_in.size(1), P = panels_in.size(0);
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "panel_linear: x must be [..., ", K,
-              "], got ", x_in.sizes());
+  const bool paired = panels_in.dim() == 3 && panels_in.size(2) == 2 * kNR;
+  TORCH_CHECK(panels_in.dim() == 3 && (panels_in.size(2) == kNR || paired),
+              "panel_linear: panels must be [P, K, 16] or bfloat16 pairs [P, ceil(K / 2), 32], "
+              "got ", panels_in.sizes());
+  TORCH_CHECK(!paired || panels_in.scalar_type() == at::kBFloat16,
+              "panel_linear: only bfloat16 panels come in pairs, got ", panels_in.scalar_type());
+  const int64_t P = panels_in.size(0);
+  const int64_t K = paired ? (x_in.dim() >= 1 ? x_in.size(-1) : -1) : panels_in.size(1);
+  if (paired) {
+    TORCH_CHECK(K >= 0 && (K + 1) / 2 == panels_in.size(1), "panel_linear: x must be [..., ",
+                2 * panels_in.size(1) - 1, "] or [..., ", 2 * panels_in.size(1),
+                "] for pairs of ", panels_in.size(1), " rows, got ", x_in.sizes());
+  } else {
+    TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "panel_linear: x must be [..., ", K,
+                "], got ", x_in.sizes());
+  }
   TORCH_CHECK(out_features > 0 && (out_features + kNR - 1) / kNR == P, "panel_linear: ", P,
               " panels cannot hold ", out_features, " outputs");
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
@@ -312,7 +337,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int
               "panel_linear: int8 panels need a scale");
   const Problem pb{K ? x_in.numel() / K : 0, K, out_features, P,
                    scale.defined() ? scale.const_data_ptr<float>() : nullptr};
-  const at::Tensor panels = panels_in.contiguous();
+  at::Tensor panels = panels_in.contiguous();
   at::Tensor bias, residual;
   if (bias_in.has_value()) {
     bias = bias_in->contiguous();
@@ -329,13 +354,16 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int
 #if defined(__AVX512BF16__)
   if (x_in.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16) {
     const at::Tensor xb = x_in.contiguous();
-    run_dot(pb, xb.const_data_ptr<BF16>(), panels.const_data_ptr<BF16>(),
+    run_dot(pb, xb.const_data_ptr<BF16>(), panels.const_data_ptr<BF16>(), paired,
             bias.defined() ? bias.const_data_ptr<BF16>() : nullptr,
             residual.defined() ? residual.const_data_ptr<BF16>() : nullptr,
             out.mutable_data_ptr<BF16>());
     return out;
   }
 #endif
+  if (paired)  // back to [P, K, 16] for the paths below
+    panels = panels.view({P, panels.size(1), kNR, 2}).transpose(2, 3)
+                 .reshape({P, 2 * panels.size(1), kNR}).narrow(1, 0, K).contiguous();
   const at::Tensor xf = x_in.to(at::kFloat).contiguous();
   dispatch_16_or_32(x_in.scalar_type(), "x", "float32, bfloat16, float16", [&](auto t) {
     using T = decltype(t);
@@ -358,6 +386,14 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nxdi, m) {
+  // True where bfloat16 products run on the CPU's dot products, the layout pairs are made for.
+  m.def("panel_pairs_native() -> bool", [] {
+#if defined(__AVX512BF16__)
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None, "
         "Tensor? residual=None, Tensor? scale=None) -> Tensor");
 }
