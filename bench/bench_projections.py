@@ -2,7 +2,8 @@
 layers + the LM head = 121 products) by number of rows: bf16 with plain weights (torch.mv at one row,
 F.linear above, as modules.linear does without a packed layout), bf16 with oneDNN-packed weights
 (the default where the CPU has bf16 dot products, modules.linear.pack_weight), bf16 in panels
-(our kernel, the default on CPUs without them, modules.linear.pack_panels), float32 with plain
+(our kernel, the default on CPUs without them, modules.linear.pack_panels; [K, 16] panels,
+and on CPUs with bf16 dot products also the pairs layout packed there), float32 with plain
 weights (torch's MKL sgemm: what the panels are measured against), and int8 weights through torch's
 weight-only kernel and in panels (modules.quantization: the latter where bf16 goes to panels). Past 64 rows (a prefill) the LM head is left out: a
 prefill computes it for one row.
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from nxdi_common import kernels
 from nxdi_common.modules.linear import (onednn_ops, onednn_unavailable_reason, pack_panels,
-                                       pack_weight)
+                                       pack_weight, panel_pairs_native)
 
 SHAPES = [(576 + 2 * 192, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -52,10 +53,13 @@ def main(argv=None) -> int:
     onednn = onednn_unavailable_reason(torch.bfloat16) is None
     packed = [pack_weight(w) for w in bf16] if onednn else None
     ours = kernels.kernels_unavailable_reason() is None
-    panels = [pack_panels(w) for w in bf16] if ours else None
+    panels = [pack_panels(w, pairs=False) for w in bf16] if ours else None
+    native = ours and panel_pairs_native()
+    pairs = [pack_panels(w, pairs=True) for w in bf16] if native else None
     int8_panels = [pack_panels(w) for w in int8] if ours else None
-    print("| rows | bf16 plain (ms) | bf16 oneDNN-packed (ms) | bf16 panels (ms) | fp32 plain (ms) "
-          "| int8 (ms) | int8 panels (ms) |\n|---|---|---|---|---|---|---|")
+    print("| rows | bf16 plain (ms) | bf16 oneDNN-packed (ms) | bf16 panels (ms) "
+          "| bf16 pairs (ms) | fp32 plain (ms) | int8 (ms) | int8 panels (ms) |\n"
+          "|---|---|---|---|---|---|---|---|")
     for m in args.rows:
         n = len(SHAPES) if m <= 64 else len(SHAPES) - 1
         xs = [torch.randn(m, s[1], dtype=torch.bfloat16) for s in SHAPES[:n]]
@@ -66,6 +70,9 @@ def main(argv=None) -> int:
         cells.append(median_ms(lambda w, x, o: torch.ops.nxdi.panel_linear(x, w, o),
                                [(w, x, s[0]) for w, x, s in zip(panels, xs, SHAPES)])
                      if panels else None)
+        cells.append(median_ms(lambda w, x, o: torch.ops.nxdi.panel_linear(x, w, o),
+                               [(w, x, s[0]) for w, x, s in zip(pairs, xs, SHAPES)])
+                     if pairs else None)
         cells.append(median_ms(lambda w, x: F.linear(x, w),
                                [(w, x.float()) for w, x in zip(fp32, xs)]))
         cells.append(median_ms(torch.ops.aten._weight_int8pack_mm, list(zip(xs, int8, scales))))

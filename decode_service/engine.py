@@ -21,6 +21,16 @@ session 14) their TTFTs were 2.2-6.1 s that way and 1.8-4.0 s this way. Position
 already in the cache (a shared prefix) are not computed again. Without prefill_chunk_size the
 prompt is one context-encoding call.
 
+With a TPOT target (``EngineConfig.tpot_target_s``, the worker's --tpot-target-ms) a piece waits
+while it would make a running sequence miss that target: each piece delays every running
+sequence's next token, and a sequence with few tokens to share the delay (a long prompt's short
+answer) has little room for it, while a waiting prompt's first token is usually within its own
+budget. Before each piece the engine projects every running sequence's time per output token
+from its tokens so far, its remaining max_tokens at the measured decode step time, with and
+without the measured cost of a piece (scheduler.piece_costs_a_tpot); while some sequence would
+meet the target without the piece and miss it with, the step runs without the piece
+(``nxdi_deferred_pieces_total``). Sequences that miss either way hold nothing back.
+
 Blocks are reserved at admission for prompt + max_tokens, so a running sequence never runs out of
 KV room and nothing is ever preempted. Every sequence's blocks are freed exactly once, when it
 finishes, fails or is cancelled (``drop``)."""
@@ -29,6 +39,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -38,7 +49,7 @@ from nxdi_common.application import CausalLMOutput
 from nxdi_common.block_manager import BlockManager
 from nxdi_common.modules.kv_cache import SequenceKVWriter
 from nxdi_common.serving.errors import Overloaded
-from decode_service.scheduler import DecodeScheduler, split_by_length
+from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
 from decode_service.sequence import Sequence
 from nxdi_common.serving.sampling import request_generator, token_logprobs
 from nxdi_common.serving.detokenize import OutputText
@@ -56,6 +67,13 @@ class EngineConfig:
     # Fixed cost of one more TKG call, in row-tokens of attention (scheduler.split_by_length):
     # measured with the bundled model, 1 thread: ~37 ms per call vs ~5.4 us per row-token.
     split_call_cost_row_tokens: int = 6000
+    # A running sequence's time per output token that local prefill pieces must not push it
+    # over (module doc); None: a piece every step while a prompt waits.
+    tpot_target_s: float | None = None
+
+    def __post_init__(self):
+        if self.tpot_target_s is not None and not self.tpot_target_s > 0:
+            raise ValueError(f"tpot_target_s must be > 0 seconds, got {self.tpot_target_s}")
 
 
 class DecodeEngine:
@@ -79,6 +97,10 @@ class DecodeEngine:
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._stopping = False
         self.scratch_slot = model.scratch[1] * config.block_size
+        # measured: a decode-only step's seconds, and the seconds a piece adds per prompt token
+        # to the running sequences' next token (moving averages; None until first measured)
+        self.step_s: float | None = None
+        self.piece_s_per_token: float | None = None
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -168,20 +190,43 @@ class DecodeEngine:
             self._apply_commands(block=idle)
             if self._stopping:
                 break
-            if not (self._local and self._local_piece()):
+            if not (self._local and self._piece_now() and self._local_piece()):
                 self._decode_calls()
             self._update_gauges()
+
+    def _piece_now(self) -> bool:
+        """Whether the next local prefill piece runs in this step (module doc: the TPOT
+        target); counts the steps it waits."""
+        target = self.config.tpot_target_s
+        if target is None or self.step_s is None or self.piece_s_per_token is None:
+            return True
+        start, end = self._next_piece(self._next_local())
+        now = time.monotonic_ns()
+        running = [((now - s.first_token_ns) / 1e9, len(s.generated), s.max_tokens)
+                   for s in list(self.scheduler.running.values()) + list(self.scheduler.ready)]
+        if not piece_costs_a_tpot(running, (end - start) * self.piece_s_per_token, self.step_s,
+                                  target):
+            return True
+        if self.metrics is not None:
+            self.metrics.deferred_pieces_total.inc()
+        return False
 
     def _local_piece(self) -> bool:
         """The next piece of a local prefill; True when the running batch's decode step rode in
         its call (then the step is done)."""
         seq = self._next_local()
         self._local.remove(seq)
+        start, end = self._next_piece(seq)
         batch = self.scheduler.next_batch() if self._mixes(seq) else []
+        began = time.perf_counter()
         if not batch:
             self._guarded(self._prefill_piece, [seq], seq)
+            if self.scheduler.running:  # the running batch's step waits for this call
+                self._measured_piece(time.perf_counter() - began, end - start)
             return False
         self._guarded(self._mixed_step, [seq] + batch, (seq, batch))
+        if self.step_s is not None:  # what the piece added to the step
+            self._measured_piece(max(time.perf_counter() - began - self.step_s, 0.0), end - start)
         if self.metrics is not None:
             self.metrics.decode_steps_total.inc()
             self.metrics.mixed_steps_total.inc()
@@ -190,11 +235,17 @@ class DecodeEngine:
     def _decode_calls(self) -> None:
         """The running batch's decode step as token-generation calls of its own."""
         groups = self._decode_groups(self.scheduler.next_batch())
+        began = time.perf_counter()
         for group in groups:
             self._guarded(self._decode_step, group, group)
-        if groups and self.metrics is not None:
-            self.metrics.decode_steps_total.inc()
-            self.metrics.token_generation_calls_total.inc(len(groups))
+        if groups:
+            self.step_s = _moving_average(self.step_s, time.perf_counter() - began)
+            if self.metrics is not None:
+                self.metrics.decode_steps_total.inc()
+                self.metrics.token_generation_calls_total.inc(len(groups))
+
+    def _measured_piece(self, seconds: float, tokens: int) -> None:
+        self.piece_s_per_token = _moving_average(self.piece_s_per_token, seconds / max(tokens, 1))
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -352,6 +403,10 @@ class DecodeEngine:
         self.metrics.queue_depth_requests.set(load["queued"])
         self.metrics.kv_blocks_used_blocks.set(load["kv_blocks_used"])
         self.metrics.kv_blocks_free_blocks.set(load["kv_blocks_free"])
+
+
+def _moving_average(old: float | None, new: float, weight: float = 0.25) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 def _rows(out: CausalLMOutput, rows: slice) -> CausalLMOutput:

@@ -41,6 +41,10 @@ def parse_args(argv=None):
                    default=EngineConfig.split_call_cost_row_tokens, metavar="ROW_TOKENS",
                    help="fixed cost of one more token-generation call, in row-tokens of "
                    "attention: a step runs short and long sequences apart when that saves more")
+    p.add_argument("--tpot-target-ms", type=float, default=None, metavar="MS",
+                   help="a local prefill piece waits while it would put a running sequence over "
+                   "this time per output token that it would otherwise meet (e.g. the TPOT SLO); "
+                   "default: a piece every step while a prompt waits")
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES)
     p.add_argument("--kv-socket", choices=("on", "off"), default="on",
                    help="take prompt KV over the prefill worker's direct TCP connection when it "
@@ -53,6 +57,8 @@ def parse_args(argv=None):
 def build(args):
     """(servicer, engine, channels, metrics) for the parsed arguments."""
     opts = worker.model_options_from_args(args)
+    if args.tpot_target_ms is not None and not args.tpot_target_ms > 0:
+        raise SystemExit(f"--tpot-target-ms must be > 0 milliseconds, got {args.tpot_target_ms}")
     if args.prefill_chunk_tokens < 0:
         raise SystemExit(f"--prefill-chunk-tokens must be >= 0 (0: no chunking), got "
                          f"{args.prefill_chunk_tokens}")
@@ -63,7 +69,8 @@ def build(args):
     fingerprint = worker.model_fingerprint(model, opts)
     metrics = ServingMetrics("decode")
     config = EngineConfig(args.max_batch_size, args.kv_blocks, args.block_size,
-                          not args.no_prefix_caching, args.split_call_cost)
+                          not args.no_prefix_caching, args.split_call_cost,
+                          None if args.tpot_target_ms is None else args.tpot_target_ms / 1000)
     engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
                           metrics)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))

@@ -6,6 +6,7 @@ running batch never waits for a new sequence's prefill."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from decode_service.sequence import Sequence
 from nxdi_common.bucketing import select_bucket
@@ -74,3 +75,23 @@ def split_by_length(needed: list[int], length_buckets: list[int], batch_buckets:
         if cost < best_cost:
             best_cost, best_k = cost, k
     return [order] if best_k == 0 else [order[:best_k], order[best_k:]]
+
+
+def piece_costs_a_tpot(running: Iterable[tuple[float, int, int]], piece_s: float, step_s: float,
+                       target_s: float) -> bool:
+    """Whether running a prefill piece now (delaying every running sequence's next token by
+    ``piece_s``) would make some sequence miss a time-per-output-token target it would meet
+    without it.
+
+    ``running``: (seconds since the sequence's first token, tokens it has, tokens it may have:
+    max_tokens) per sequence. A sequence's TPOT is (last token's time - first's) / (tokens - 1);
+    projected with its remaining tokens at ``step_s`` each, with and without the piece. A
+    sequence that misses the target either way does not hold the piece back (nothing saves it;
+    the waiting prompt's first token still can be saved)."""
+    for elapsed, have, total in running:
+        if have < 1 or total < 2 or have >= total:
+            continue
+        without = (elapsed + (total - have) * step_s) / (total - 1)
+        if without <= target_s < without + piece_s / (total - 1):
+            return True
+    return False

@@ -32,6 +32,7 @@ class Sequence:
     finish_reason: str | None = None
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     last_token_ns: int = 0
+    first_token_ns: int = 0  # when add_token recorded the first token (monotonic)
 
     @property
     def request_id(self) -> str:
@@ -56,6 +57,8 @@ class Sequence:
     def add_token(self, token_id: int, logprob=None, top_logprobs=()) -> None:
         """Record a generated token, apply the stop rules, and emit its event."""
         self.generated.append(token_id)
+        if len(self.generated) == 1:
+            self.first_token_ns = time.monotonic_ns()
         text, stop_string = self.text.add(token_id)
         reason = self._stop_reason(token_id, stop_string)
         if reason is not None and reason != t.STOP_STRING:

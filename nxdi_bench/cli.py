@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-chunk-tokens", type=int, default=None, metavar="N",
                    help="our decode workers prefill a prompt N tokens per piece, one piece "
                         "between two decode steps (0: whole prompts; default: the worker's)")
+    g.add_argument("--decode-tpot-target", type=float, default=None, metavar="SECONDS",
+                   help="our decode workers hold a local prefill piece back while it would put "
+                        "a running sequence over this time per output token (e.g. the "
+                        "--slo-tpot value; default: off)")
     return parser
 
 
@@ -247,7 +251,8 @@ def _compare_settings(args):
                           local_prefill_max_tokens=args.local_prefill_max_tokens,
                           local_prefill_queue_tokens=args.local_prefill_queue_tokens,
                           local_prefill_always_tokens=args.local_prefill_always_tokens,
-                          prefill_chunk_tokens=args.prefill_chunk_tokens)
+                          prefill_chunk_tokens=args.prefill_chunk_tokens,
+                          decode_tpot_target_s=args.decode_tpot_target)
     if args.cpus:
         serve.cpus = [int(c) for c in args.cpus.split(",")]
     out_dir = args.out_dir or Path("results/goodput") / (

@@ -42,6 +42,7 @@ class ServeSettings:
     local_prefill_queue_tokens: int = 0
     local_prefill_always_tokens: int = 0
     prefill_chunk_tokens: int | None = None  # ours: decode workers' --prefill-chunk-tokens
+    decode_tpot_target_s: float | None = None  # ours: decode workers' --tpot-target-ms
     startup_timeout_s: float = 900.0
 
 
@@ -54,6 +55,8 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
     decode_args = ["--max-batch-size", str(s.decode_max_batch_size), "--kv-blocks", str(s.kv_blocks)]
     if s.prefill_chunk_tokens is not None:
         decode_args += ["--prefill-chunk-tokens", str(s.prefill_chunk_tokens)]
+    if s.decode_tpot_target_s is not None:
+        decode_args += ["--tpot-target-ms", f"{s.decode_tpot_target_s * 1000:g}"]
     common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
                   compiled_root=s.compiled_root, quantize=s.quantize, decode_args=decode_args,
                   context_buckets=s.context_buckets,

@@ -1,7 +1,7 @@
 """Incremental detokenization and stop strings: exact text, multi-byte characters, hold-back."""
 import pytest
 
-from decode_service.scheduler import DecodeScheduler, split_by_length
+from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
 from nxdi_common.serving.detokenize import IncrementalDetokenizer, OutputText, StopStringMatcher
 
 
@@ -93,3 +93,22 @@ def test_split_picks_the_cheapest_cut_and_never_splits_one_bucket():
     assert split_by_length(needed, LENGTHS, BATCHES, 0) == [[0, 5, 3, 1], [2, 4]]
     assert split_by_length([300, 400, 500], LENGTHS, BATCHES, 0) == [[0, 1, 2]]
     assert split_by_length([5], LENGTHS, BATCHES, 0) == [[0]]
+
+
+def test_a_piece_waits_only_for_a_sequence_it_would_push_over_the_tpot_target():
+    """(seconds since first token, tokens, max_tokens): TPOT projected with the remaining tokens
+    at the step time, with and without the piece; only a sequence the piece would flip from
+    meeting the target to missing it holds the piece back."""
+    step, target = 0.02, 0.1
+    # 10 of 20 tokens in 0.9 s: 0.9 + 10 * 0.02 = 1.1 s over 19 gaps = 58 ms without the piece;
+    # a 0.7 s piece makes it 95 ms (not over), a 0.9 s piece 105 ms (over)
+    assert not piece_costs_a_tpot([(0.9, 10, 20)], 0.7, step, target)
+    assert piece_costs_a_tpot([(0.9, 10, 20)], 0.9, step, target)
+    # the same piece costs little TPOT to a sequence with many tokens to share it
+    assert not piece_costs_a_tpot([(0.9, 10, 200)], 0.9, step, target)
+    # one sequence at risk is enough; one missing anyway (2.5 s for 10 tokens) holds nothing
+    assert piece_costs_a_tpot([(0.1, 2, 100), (0.9, 10, 20)], 0.9, step, target)
+    assert not piece_costs_a_tpot([(2.5, 10, 20)], 0.9, step, target)
+    # nothing to project: no first token yet, a one-token request, one already done
+    assert not piece_costs_a_tpot([(0.0, 0, 20), (0.0, 1, 1), (3.0, 20, 20)], 5.0, step, target)
+    assert not piece_costs_a_tpot([], 5.0, step, target)

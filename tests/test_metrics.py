@@ -22,6 +22,7 @@ EXPECTED_FAMILIES = {
     "nxdi_decode_steps": "counter",
     "nxdi_token_generation_calls": "counter",
     "nxdi_mixed_steps": "counter",
+    "nxdi_deferred_pieces": "counter",
     "nxdi_kv_socket_transfers": "counter",
     "nxdi_kv_socket_fallbacks": "counter",
     "nxdi_local_prefills": "counter",

@@ -36,7 +36,8 @@ SERVICE_FLAGS = {
     "prefill": ("--host", "--port", "--metrics-port", "--max-batch-size", "--ctx-batch-size",
                 "--kv-socket-port"),
     "decode": ("--host", "--port", "--metrics-port", "--max-batch-size", "--kv-blocks",
-               "--block-size", "--local-prefill-max-tokens", "--prefill-chunk-tokens"),
+               "--block-size", "--local-prefill-max-tokens", "--prefill-chunk-tokens",
+               "--tpot-target-ms"),
     "router": ("--host", "--http-port", "--grpc-port", "--prefill", "--decode", "--prefill-dns",
                "--decode-dns", "--policy"),
 }

@@ -52,6 +52,8 @@ COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
      "short and long sequences run apart)"),
     ("mixed_steps", "Decode steps run in the same model call as a piece of a local prefill "
      "(counted in decode_steps too, not in token_generation_calls)"),
+    ("deferred_pieces", "Decode steps run without the waiting local prefill's next piece, "
+     "which would have put a running sequence over the TPOT target (--tpot-target-ms)"),
     ("kv_socket_transfers", "KV transfers sent on a direct TCP connection (KV socket) instead "
      "of the gRPC stream"),
     ("kv_socket_fallbacks", "KV transfers whose KV socket offer was not claimed in time, so "
@@ -87,7 +89,8 @@ class ServingMetrics:
     ``queue_depth_requests``, ``running_sequences``, ``kv_blocks_used_blocks``,
     ``kv_blocks_free_blocks``, ``open_kv_transfers``; counters ``kv_transfer_bytes_total``,
     ``generated_tokens_total``, ``prompt_tokens_total``, ``decode_steps_total``,
-    ``token_generation_calls_total``, ``mixed_steps_total``, ``kv_socket_transfers_total``,
+    ``token_generation_calls_total``, ``mixed_steps_total``, ``deferred_pieces_total``,
+    ``kv_socket_transfers_total``,
     ``kv_socket_fallbacks_total``,
     ``local_prefills_total``; and ``requests_total``, an
     :class:`OutcomeCounter` (``requests_total.inc("ok")``)."""
