@@ -29,7 +29,10 @@ budget. Before each piece the engine projects every running sequence's time per 
 from its tokens so far, its remaining max_tokens at the measured decode step time, with and
 without the measured cost of a piece (scheduler.piece_costs_a_tpot); while some sequence would
 meet the target without the piece and miss it with, the step runs without the piece
-(``nxdi_deferred_pieces_total``). Sequences that miss either way hold nothing back.
+(``nxdi_deferred_pieces_total``). Sequences that miss either way hold nothing back. The step
+time is measured on steps without a piece; while pieces run back to back the running batch may
+grow, so when that measurement is older than STEP_REMEASURE_S one step runs without a piece to
+measure it again.
 
 Blocks are reserved at admission for prompt + max_tokens, so a running sequence never runs out of
 KV room and nothing is ever preempted. Every sequence's blocks are freed exactly once, when it
@@ -56,6 +59,7 @@ from nxdi_common.serving.detokenize import OutputText
 
 log = logging.getLogger(__name__)
 K, V = 0, 1
+STEP_REMEASURE_S = 1.0  # with a TPOT target: the oldest decode step time pieces are judged by
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class DecodeEngine:
         # to the running sequences' next token (moving averages; None until first measured)
         self.step_s: float | None = None
         self.piece_s_per_token: float | None = None
+        self.step_measured_ns = 0  # when step_s was last measured (monotonic)
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -198,10 +203,15 @@ class DecodeEngine:
         """Whether the next local prefill piece runs in this step (module doc: the TPOT
         target); counts the steps it waits."""
         target = self.config.tpot_target_s
-        if target is None or self.step_s is None or self.piece_s_per_token is None:
+        if target is None:
+            return True
+        now = time.monotonic_ns()
+        waiting = self.scheduler.running or self.scheduler.ready
+        if waiting and (now - self.step_measured_ns) / 1e9 > STEP_REMEASURE_S:
+            return False  # a step of its own first, to measure it
+        if self.step_s is None or self.piece_s_per_token is None:
             return True
         start, end = self._next_piece(self._next_local())
-        now = time.monotonic_ns()
         running = [((now - s.first_token_ns) / 1e9, len(s.generated), s.max_tokens)
                    for s in list(self.scheduler.running.values()) + list(self.scheduler.ready)]
         if not piece_costs_a_tpot(running, (end - start) * self.piece_s_per_token, self.step_s,
@@ -240,6 +250,7 @@ class DecodeEngine:
             self._guarded(self._decode_step, group, group)
         if groups:
             self.step_s = _moving_average(self.step_s, time.perf_counter() - began)
+            self.step_measured_ns = time.monotonic_ns()
             if self.metrics is not None:
                 self.metrics.decode_steps_total.inc()
                 self.metrics.token_generation_calls_total.inc(len(groups))

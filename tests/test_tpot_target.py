@@ -36,6 +36,14 @@ def running_sequence(engine, rid: str, tokens: int, max_tokens: int, first_token
     return seq
 
 
+def forget(engine, *seqs) -> None:
+    """Take the sequences out of the batch, the local queue and the block pool."""
+    for seq in seqs:
+        engine.scheduler.remove(seq)
+        engine.release(seq)
+    engine._local.clear()
+
+
 def deferred(engine) -> float:
     return engine.metrics.value("nxdi_deferred_pieces_total")
 
@@ -48,7 +56,7 @@ def test_a_piece_waits_while_it_would_push_a_running_sequence_over_the_target(en
     run = running_sequence(engine, "run", tokens=10, max_tokens=20, first_token_ago_s=0.9)
     prompt = engine.admit(DecodeJob("prompt", tuple(range(100, 200))), 4, lambda event: None)
     engine._local.append(prompt)
-    engine.step_s = 0.02
+    engine.step_s, engine.step_measured_ns = 0.02, time.monotonic_ns()
     try:
         before = deferred(engine)
         engine.piece_s_per_token = 0.9 / CHUNK
@@ -62,10 +70,28 @@ def test_a_piece_waits_while_it_would_push_a_running_sequence_over_the_target(en
         engine.piece_s_per_token = None  # nothing measured yet: the piece runs
         assert engine._piece_now()
     finally:
-        for seq in (run, prompt):
-            engine.scheduler.remove(seq)
-            engine.release(seq)
-        engine._local.clear()
+        forget(engine, run, prompt)
+
+
+def test_a_step_time_older_than_a_second_is_measured_again_first(engine):
+    """While pieces run back to back the batch can grow past what the last decode-only step
+    measured: after STEP_REMEASURE_S a step runs without the piece (not counted as deferred),
+    and the next one may take it."""
+    from decode_service.engine import STEP_REMEASURE_S
+    run = running_sequence(engine, "stale", tokens=1, max_tokens=50, first_token_ago_s=0.0)
+    engine._local.append(engine.admit(DecodeJob("later", tuple(range(400, 440))), 4,
+                                      lambda event: None))
+    prompt = engine._local[0]
+    engine.step_s, engine.piece_s_per_token = 0.001, 0.0
+    engine.step_measured_ns = time.monotonic_ns() - int((STEP_REMEASURE_S + 0.5) * 1e9)
+    try:
+        before = deferred(engine)
+        assert not engine._piece_now()
+        engine._decode_calls()  # measures the step
+        assert engine._piece_now()
+        assert deferred(engine) == before
+    finally:
+        forget(engine, run, prompt)
 
 
 def test_without_a_target_every_step_takes_a_piece(tiny_chat_model):
@@ -92,10 +118,7 @@ def test_the_engine_measures_steps_and_pieces(engine):
         assert engine.piece_s_per_token is not None and engine.piece_s_per_token >= 0
         assert prompt.prefilled == CHUNK and len(run.generated) == 3
     finally:
-        for seq in (run, prompt):
-            engine.scheduler.remove(seq)
-            engine.release(seq)
-        engine._local.clear()
+        forget(engine, run, prompt)
 
 
 def test_bad_targets_are_refused(tiny_chat_model):
