@@ -85,8 +85,8 @@ def pack_panels(weight: torch.Tensor, pairs: Optional[bool] = None) -> torch.Ten
     bfloat16 on the CPU's dot products, kernels.panel_pairs_native) each panel's rows come two
     by two, as the dot products take them: [ceil(out / 16), ceil(in / 2), 32] with
     pairs[p, i, 2j + h] = weight[16p + j, 2i + h], zero past the last input too. The kernel then
-    loads a pair as it is instead of interleaving it in every tile (the 121 products of a 16-row
-    decode step 10-25% faster, kernels/panel_linear.cpp). Copied straight into the result: no
+    loads a pair as it is instead of interleaving it in every tile (the 121 products of a decode
+    step 3-10% faster at 8-16 rows, ~15% at 64 and more; BENCHMARKS.md, session 19). Copied straight into the result: no
     padded or transposed temporary, which for the LM head would be another 57 MB that the
     allocator (runtime.py keeps large blocks) need not give back."""
     w = weight.detach()
@@ -107,15 +107,14 @@ def pack_panels(weight: torch.Tensor, pairs: Optional[bool] = None) -> torch.Ten
     half, odd = divmod(in_features, 2)
     make = w.new_zeros if rest or odd else w.new_empty
     panels = make(full + (rest > 0), half + odd, 2 * PANEL_WIDTH)
-    by_column = panels.view(full + (rest > 0), half + odd, PANEL_WIDTH, 2).transpose(1, 2)
-    for lo, n in ((0, full), (full, 1 if rest else 0)):  # whole panels, then the partial one
-        cols = PANEL_WIDTH if lo < full else rest
-        src = w[lo * PANEL_WIDTH:lo * PANEL_WIDTH + n * cols]  # [n * cols, in]
-        dst = by_column[lo:lo + n, :cols]  # [n, cols, pairs, 2]
-        if n:
-            dst[:, :, :half].copy_(src[:, :2 * half].view(n, cols, half, 2))
+    by_column = panels.view(-1, half + odd, PANEL_WIDTH, 2).transpose(1, 2)  # [P, 16, pairs, 2]
+    split = full * PANEL_WIDTH
+    for dst, src in ((by_column[:full], w[:split]), (by_column[full:, :rest], w[split:])):
+        if src.numel():  # the whole panels, then the partial one
+            src = src.view(dst.shape[0], dst.shape[1], in_features)
+            dst[..., :half, :].copy_(src[..., :2 * half].unflatten(-1, (half, 2)))
             if odd:
-                dst[:, :, half, 0].copy_(src[:, -1].view(n, cols))
+                dst[..., half, 0].copy_(src[..., -1])
     return panels
 
 
