@@ -52,6 +52,7 @@ from nxdi_common.application import CausalLMOutput
 from nxdi_common.block_manager import BlockManager
 from nxdi_common.modules.kv_cache import SequenceKVWriter
 from nxdi_common.serving.errors import Overloaded
+from nxdi_common.serving.rates import PrefillRate, moving_average
 from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
 from decode_service.sequence import Sequence
 from nxdi_common.serving.sampling import request_generator, token_logprobs
@@ -106,6 +107,12 @@ class DecodeEngine:
         self.step_s: float | None = None
         self.piece_s_per_token: float | None = None
         self.step_measured_ns = 0  # when step_s was last measured (monotonic)
+        # local prefills submitted and not yet done, by id() (load(): their tokens left), and
+        # the rate they go at: a piece's tokens over the wall time since the previous piece
+        # ended or since a prompt arrived to an empty queue (_local_mark, engine thread)
+        self._local_left: dict[int, Sequence] = {}
+        self.local_rate = PrefillRate()
+        self._local_mark: float | None = None
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -164,6 +171,8 @@ class DecodeEngine:
         self._commands.put(("ready", seq))
 
     def submit_local_prefill(self, seq: Sequence) -> None:
+        with self._blocks_lock:
+            self._local_left[id(seq)] = seq
         self._commands.put(("local", seq))
 
     def drop(self, seq: Sequence) -> None:
@@ -173,6 +182,7 @@ class DecodeEngine:
     def release(self, seq: Sequence) -> None:
         """Free the sequence's blocks, once; nothing when its id now names a newer sequence."""
         with self._blocks_lock:
+            self._local_left.pop(id(seq), None)
             if self._is_live(seq):
                 del self._live[seq.request_id]
                 self.blocks.free(seq.request_id)
@@ -181,11 +191,15 @@ class DecodeEngine:
         return self._live.get(seq.request_id) is seq
 
     def load(self) -> dict:
+        """Counts for the load report; "local_prompt_tokens": prompt tokens the local prefills
+        have still to compute, "prefill_tokens_per_s": the rate they have gone at lately."""
         with self._blocks_lock:
             used, free = self.blocks.num_used_blocks, self.blocks.num_free_blocks
+            local = sum(self._prefill_left(s) for s in self._local_left.values())
         running = self.scheduler.num_running
         return {"running": running, "queued": max(len(self._live) - running, 0),
-                "kv_blocks_used": used, "kv_blocks_free": free}
+                "kv_blocks_used": used, "kv_blocks_free": free, "local_prompt_tokens": local,
+                "prefill_tokens_per_s": self.local_rate.tokens_per_s}
 
     # ---- engine thread --------------------------------------------------------------------
 
@@ -231,10 +245,12 @@ class DecodeEngine:
         began = time.perf_counter()
         if not batch:
             self._guarded(self._prefill_piece, [seq], seq)
+            self._measured_local(end - start)
             if self.scheduler.running:  # the running batch's step waits for this call
                 self._measured_piece(time.perf_counter() - began, end - start)
             return False
         self._guarded(self._mixed_step, [seq] + batch, (seq, batch))
+        self._measured_local(end - start)
         if self.step_s is not None:  # what the piece added to the step
             self._measured_piece(max(time.perf_counter() - began - self.step_s, 0.0), end - start)
         if self.metrics is not None:
@@ -249,14 +265,21 @@ class DecodeEngine:
         for group in groups:
             self._guarded(self._decode_step, group, group)
         if groups:
-            self.step_s = _moving_average(self.step_s, time.perf_counter() - began)
+            self.step_s = moving_average(self.step_s, time.perf_counter() - began)
             self.step_measured_ns = time.monotonic_ns()
             if self.metrics is not None:
                 self.metrics.decode_steps_total.inc()
                 self.metrics.token_generation_calls_total.inc(len(groups))
 
+    def _measured_local(self, tokens: int) -> None:
+        """A piece of `tokens` is done: the local prefill rate's sample (see __init__)."""
+        now = time.perf_counter()
+        if self._local_mark is not None:
+            self.local_rate.add(tokens, now - self._local_mark)
+        self._local_mark = now if self._local else None
+
     def _measured_piece(self, seconds: float, tokens: int) -> None:
-        self.piece_s_per_token = _moving_average(self.piece_s_per_token, seconds / max(tokens, 1))
+        self.piece_s_per_token = moving_average(self.piece_s_per_token, seconds / max(tokens, 1))
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -281,6 +304,8 @@ class DecodeEngine:
         elif kind == "ready" and not seq.finished:
             self.scheduler.add_ready(seq)
         elif kind == "local":
+            if not self._local:
+                self._local_mark = time.perf_counter()
             self._local.append(seq)
 
     def _guarded(self, fn, seqs: list[Sequence], arg) -> None:
@@ -371,6 +396,7 @@ class DecodeEngine:
             self._local.appendleft(seq)  # its next piece after the next decode step
             return
         with self._blocks_lock:
+            self._local_left.pop(id(seq), None)
             self.blocks.mark_computed(seq.request_id, n)
         self._finish_step([seq], out)
         if not seq.finished:
@@ -415,9 +441,6 @@ class DecodeEngine:
         self.metrics.kv_blocks_used_blocks.set(load["kv_blocks_used"])
         self.metrics.kv_blocks_free_blocks.set(load["kv_blocks_free"])
 
-
-def _moving_average(old: float | None, new: float, weight: float = 0.25) -> float:
-    return new if old is None else old + weight * (new - old)
 
 
 def _rows(out: CausalLMOutput, rows: slice) -> CausalLMOutput:

@@ -91,4 +91,5 @@ def load_to_proto(report: LoadReport) -> serving_pb2.WorkerLoad:
         queued_requests=report.queued_requests, running_sequences=report.running_sequences,
         max_running_sequences=report.max_running_sequences,
         open_transfers=report.open_transfers, reported_at_unix_ns=report.reported_at_unix_ns,
-        running_prompt_tokens=report.running_prompt_tokens)
+        running_prompt_tokens=report.running_prompt_tokens,
+        prefill_tokens_per_s=report.prefill_tokens_per_s)

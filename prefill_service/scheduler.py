@@ -22,6 +22,7 @@ import torch
 
 from nxdi_common import bucketing
 from nxdi_common.serving.errors import Overloaded, Unavailable
+from nxdi_common.serving.rates import PrefillRate
 from nxdi_common.serving.sampling import next_uniform, request_generator, token_logprobs
 from nxdi_common.serving.types import PrefillJob, TokenLogprob
 
@@ -77,7 +78,8 @@ class LoadReport:
     max_running_sequences: int
     open_transfers: int
     reported_at_unix_ns: int
-    running_prompt_tokens: int = 0
+    running_prompt_tokens: int = 0  # still to compute (PrefillEngine.counts)
+    prefill_tokens_per_s: float = 0.0  # measured; 0 until the first batch
 
 
 class PrefillScheduler:
@@ -216,6 +218,8 @@ class PrefillEngine:
         self.on_change = on_change or (lambda queued, running: None)
         self.running = 0  # prompts in the batch being encoded
         self.running_tokens = 0  # and their prompt tokens
+        self.running_since = 0.0  # when that batch began (time.perf_counter())
+        self.rate = PrefillRate()  # measured over the batches run
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -258,10 +262,12 @@ class PrefillEngine:
                 self._changed()
 
     def counts(self) -> tuple[int, int, int, int]:
-        """(queued requests, queued prompt tokens, running sequences, running prompt tokens)."""
+        """(queued requests, queued prompt tokens, running sequences, running prompt tokens
+        still to compute: estimated from the batch's time so far at the measured rate)."""
         with self._cond:
+            left = self.rate.left(self.running_tokens, time.perf_counter() - self.running_since)
             return (len(self.scheduler.waiting), self.scheduler.queued_prompt_tokens,
-                    self.running, self.running_tokens)
+                    self.running, left)
 
     def _changed(self) -> None:
         """Report the counts (call with the lock held)."""
@@ -277,6 +283,7 @@ class PrefillEngine:
             batch = self.scheduler.next_batch()
             self.running = len(batch)
             self.running_tokens = sum(t.num_tokens for t in batch)
+            self.running_since = time.perf_counter()
             self._changed()
             return batch
 
@@ -288,6 +295,7 @@ class PrefillEngine:
         """Run one batch and deliver its results (nothing of it stays referenced here)."""
         try:
             results = run_batch(self.model, batch)
+            self.rate.add(self.running_tokens, time.perf_counter() - self.running_since)
             for task, result in zip(batch, results):
                 deliver(task, result)
         except Exception as exc:  # noqa: BLE001 - reported to every request of the batch

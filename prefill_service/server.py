@@ -238,7 +238,7 @@ class PrefillServicer:
         queued, queued_tokens, running, running_tokens = self.engine.counts()
         return LoadReport(self.address, self.fingerprint, queued_tokens, queued, running,
                           self.settings.ctx_batch_size, self.open_transfers, time.time_ns(),
-                          running_tokens)
+                          running_tokens, self.engine.rate.tokens_per_s)
 
 
 async def write(context, message) -> None:

@@ -4,6 +4,8 @@ The only router module that imports ``serving_pb2`` / ``serving_pb2_grpc`` (the 
 ``nxdi_common.serving.convert`` handles the messages every service has in common)."""
 from __future__ import annotations
 
+import time
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -87,7 +89,8 @@ def load_from_proto(msg: pb.WorkerLoad) -> WorkerLoad:
         kv_blocks_free=msg.kv_blocks_free, kv_block_size=msg.kv_block_size,
         open_transfers=msg.open_transfers, reported_at_unix_ns=msg.reported_at_unix_ns,
         running_prompt_tokens=msg.running_prompt_tokens, role=ROLE_FROM_PROTO.get(msg.role, ""),
-        fingerprint=msg.fingerprint if msg.HasField("fingerprint") else None)
+        fingerprint=msg.fingerprint if msg.HasField("fingerprint") else None,
+        prefill_tokens_per_s=msg.prefill_tokens_per_s, received_ns=time.monotonic_ns())
 
 
 async def fetch_load(channel: grpc.aio.Channel, role: str, timeout: float) -> WorkerLoad:

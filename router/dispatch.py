@@ -153,7 +153,7 @@ class Dispatcher:
                deadline: float):
         prefills = compatible_prefills(worker, ranked)
         if prefills and self.local_prefill.prefill_locally(
-                len(req.prompt_ids), [w for w in ranked if w.address in prefills]):
+                len(req.prompt_ids), [w for w in ranked if w.address in prefills], worker):
             prefills = []  # the decode worker prefills it (no candidates to pull from)
             self.metrics.local_prefills_total.inc()
         remaining = deadline - time.monotonic()

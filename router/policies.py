@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,10 @@ class WorkerLoad:
     running_prompt_tokens: int = 0
     role: str = ""  # PREFILL or DECODE, as the worker reported itself
     fingerprint: object = field(default=None, compare=False)  # opaque; router.convert reads it
+    prefill_tokens_per_s: float = 0.0  # measured; 0 until the worker has prefilled something
+    # when the router took this snapshot (time.monotonic_ns(); 0: unknown): the tokens ahead
+    # are counted down from it at prefill_tokens_per_s, on the router's own clock
+    received_ns: int = field(default=0, compare=False)
 
 
 @dataclass
@@ -69,21 +74,50 @@ def prefill_load_key(w: WorkerState) -> tuple:
     return prompt_tokens_ahead(w), w.current_load.open_transfers, w.address
 
 
-def prompt_tokens_ahead(w: WorkerState) -> int:
-    """Prompt tokens a prefill worker has to encode before a prompt sent to it now."""
-    load = w.current_load
-    return load.queued_prompt_tokens + load.running_prompt_tokens
+def prompt_tokens_ahead(w: WorkerState, now_ns: int | None = None) -> float:
+    """Prompt tokens a worker has to prefill before a prompt sent to it now (a prefill worker:
+    its queue and the rest of its running batch; a decode worker: the rest of its local
+    prefills): the reported ones less what it has prefilled since the report at its reported
+    rate (the poll is up to a refresh interval old, and a long prompt's batch can end in it)."""
+    return tokens_ahead_at(w.current_load, time.monotonic_ns() if now_ns is None else now_ns)
+
+
+def tokens_ahead_at(load: WorkerLoad, now_ns: int) -> float:
+    """The load's prompt tokens ahead, counted down to ``now_ns`` (see prompt_tokens_ahead)."""
+    ahead = load.queued_prompt_tokens + load.running_prompt_tokens
+    if ahead == 0 or load.prefill_tokens_per_s <= 0 or load.received_ns <= 0:
+        return ahead
+    age_s = max(now_ns - load.received_ns, 0) / 1e9
+    return max(ahead - load.prefill_tokens_per_s * age_s, 0.0)
+
+
+def prefill_eta_s(load: WorkerLoad, prompt_len: int, now_ns: int) -> float | None:
+    """Seconds until a worker would have prefilled a prompt of ``prompt_len`` tokens sent to it
+    now, at its measured rate; None before it has measured one."""
+    if load.prefill_tokens_per_s <= 0:
+        return None
+    return (tokens_ahead_at(load, now_ns) + prompt_len) / load.prefill_tokens_per_s
 
 
 @dataclass(frozen=True)
 class LocalPrefillRule:
     """Conditional disaggregation: a prompt of at most ``max_tokens`` tokens is prefilled by its
     decode worker itself (no prefill candidates are sent) when every prefill candidate has at
-    least ``queue_tokens`` prompt tokens ahead of it. A short prompt then waits behind one decode
-    step instead of behind the long prompts the prefill pool is busy with; while the pool keeps
-    up, every prompt still goes to it. ``max_tokens`` 0 turns the rule off. Prompts of at most
+    least ``queue_tokens`` prompt tokens ahead of it, and the decode worker would not finish it
+    later than the soonest candidate. A short prompt then waits behind one decode step instead
+    of behind the long prompts the prefill pool is busy with; while the pool keeps up, every
+    prompt still goes to it. ``max_tokens`` 0 turns the rule off. Prompts of at most
     ``always_tokens`` are prefilled locally whatever the pool's queue (as Dynamo's
-    max_local_prefill_length): cheap for the decode worker, and off the prefill worker's queue."""
+    max_local_prefill_length): cheap for the decode worker, and off the prefill worker's queue.
+
+    When each side is later: the tokens ahead of the prompt (decode worker: the rest of its
+    local prefills) plus the prompt, at the side's measured prefill rate (prefill_eta_s). A
+    decode worker prefills in pieces between its decode steps, and with a TPOT target defers
+    pieces while they would push a running sequence over it, so under load its rate is a
+    fraction of a prefill worker's; without the comparison a long prompt went local behind
+    another one while the prefill worker was about to be idle (a 7-8 s TTFT in session 19's
+    runs where the prefill worker would have taken ~3 s). A side that has not measured a rate
+    yet does not veto: the queue rule alone decides, as before."""
 
     max_tokens: int = 0
     queue_tokens: int = 0
@@ -95,11 +129,18 @@ class LocalPrefillRule:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"local prefill {name} must be an integer >= 0, got {value!r}")
 
-    def prefill_locally(self, prompt_len: int, prefills: Sequence[WorkerState]) -> bool:
+    def prefill_locally(self, prompt_len: int, prefills: Sequence[WorkerState],
+                        decode: WorkerState | None = None, now_ns: int | None = None) -> bool:
         if 0 < prompt_len <= self.always_tokens:
             return True
-        return (0 < prompt_len <= self.max_tokens
-                and all(prompt_tokens_ahead(w) >= self.queue_tokens for w in prefills))
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        if not (0 < prompt_len <= self.max_tokens
+                and all(prompt_tokens_ahead(w, now) >= self.queue_tokens for w in prefills)):
+            return False
+        local = prefill_eta_s(decode.current_load, prompt_len, now) if decode else None
+        remote = [eta for w in prefills
+                  if (eta := prefill_eta_s(w.current_load, prompt_len, now)) is not None]
+        return local is None or not remote or local <= min(remote)
 
 
 class LeastLoaded:

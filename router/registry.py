@@ -9,12 +9,13 @@ import dataclasses
 import logging
 import math
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
 from router import convert
-from router.policies import DECODE, PREFILL, ROLES, WorkerLoad, WorkerState
+from router.policies import DECODE, PREFILL, ROLES, WorkerLoad, WorkerState, tokens_ahead_at
 
 log = logging.getLogger(__name__)
 CHANNEL_OPTIONS = [
@@ -187,23 +188,36 @@ class Registry:
 
     def note_dispatch(self, decode: str, prefill: str | None, prompt_len: int) -> None:
         """Optimistic load update for a request just sent (until the next poll replaces it):
-        the decode worker runs one more sequence holding the prompt's blocks, the first prefill
-        candidate has the prompt queued; so a burst spreads before the next poll."""
+        the decode worker runs one more sequence holding the prompt's blocks, and the prompt is
+        queued at the first prefill candidate, or at the decode worker itself when no candidate
+        was sent (it prefills locally); so a burst spreads before the next poll."""
+        now = time.monotonic_ns()
         d = self._workers[DECODE].get(decode)
         if d is not None and d.load is not None:
             blocks = math.ceil((prompt_len + 1) / max(d.load.kv_block_size, 1))
             d.load = dataclasses.replace(
-                d.load, running_sequences=d.load.running_sequences + 1,
+                _queued(d.load, 0 if prefill else prompt_len, now),
+                running_sequences=d.load.running_sequences + 1,
                 kv_blocks_free=max(d.load.kv_blocks_free - blocks, 0),
                 kv_blocks_used=d.load.kv_blocks_used + blocks)
         p = self._workers[PREFILL].get(prefill) if prefill else None
         if p is not None and p.load is not None:
-            p.load = dataclasses.replace(
-                p.load, queued_prompt_tokens=p.load.queued_prompt_tokens + prompt_len,
-                queued_requests=p.load.queued_requests + 1)
+            p.load = dataclasses.replace(_queued(p.load, prompt_len, now),
+                                         queued_requests=p.load.queued_requests + 1)
 
     def note_refused(self, decode: str) -> None:
         """A decode worker answered RESOURCE_EXHAUSTED: treat it as full until the next poll."""
         d = self._workers[DECODE].get(decode)
         if d is not None and d.load is not None:
             d.load = dataclasses.replace(d.load, kv_blocks_free=0)
+
+
+def _queued(load: WorkerLoad, prompt_len: int, now_ns: int) -> WorkerLoad:
+    """The load with ``prompt_len`` more prompt tokens queued, its tokens ahead first counted
+    down to ``now_ns`` (policies.tokens_ahead_at) and the snapshot re-timed to it: the new
+    tokens were not being worked on since the poll."""
+    ahead = tokens_ahead_at(load, now_ns)
+    done = load.queued_prompt_tokens + load.running_prompt_tokens - ahead  # the running first
+    running = max(load.running_prompt_tokens - done, 0)
+    return dataclasses.replace(load, queued_prompt_tokens=round(ahead - running) + prompt_len,
+                               running_prompt_tokens=round(running), received_ns=now_ns)

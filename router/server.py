@@ -194,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("conditional disaggregation")
     g.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
                    help="prompts of at most N tokens are prefilled by their decode worker when "
-                        "every prefill worker is busy (see --local-prefill-queue-tokens); "
+                        "every prefill worker is busy (see --local-prefill-queue-tokens) and the "
+                        "decode worker would not finish the prompt later than the soonest of them "
+                        "(tokens ahead at each one's reported prefill rate); "
                         "0 (default): always a prefill worker when one is up")
     g.add_argument("--local-prefill-queue-tokens", type=int, default=0, metavar="Q",
                    help="a prefill worker counts as busy with at least Q prompt tokens queued "

@@ -397,6 +397,40 @@ def test_load_report_counts_the_prompt_being_prefilled(make_live, hf):
     assert w.wait_load(running_sequences=0).running_prompt_tokens == 0
 
 
+def test_load_report_counts_down_the_running_prompt_at_the_measured_rate(make_live, hf):
+    """After a batch the worker reports its prefill rate (prompt tokens per second of batch
+    time); while the next batch runs, its prompt tokens still to compute are estimated from the
+    batch's time so far at that rate (a router weighs a local prefill against this worker by
+    it), never below 0 while the batch is still running."""
+    w = make_live()
+    began = time.perf_counter()
+    check_greedy(w, hf, prompt(11), list(w.stub.Prefill(w.request(prompt(11)), timeout=30)),
+                 "req")
+    rate = w.wait_load(running_sequences=0).prefill_tokens_per_s
+    assert rate == pytest.approx(w.app.engine.rate.tokens_per_s)
+    assert 0 < 11 / rate <= time.perf_counter() - began  # the batch within the call's time
+    model, gate = w.app.engine.model, threading.Event()
+    forward = model.forward
+
+    def held_forward(*args, **kwargs):
+        assert gate.wait(20)
+        return forward(*args, **kwargs)
+
+    model.forward = held_forward
+    w.app.engine.rate.s_per_token = 0.1  # 10 tokens a second, for round figures
+    call = w.stub.Prefill(w.request(prompt(12), request_id="held"), timeout=30)
+    first = w.wait_load(running_sequences=1).running_prompt_tokens
+    assert 10 <= first <= 12
+    time.sleep(0.5)
+    assert 5 <= w.load().running_prompt_tokens <= first - 4
+    time.sleep(0.9)
+    report = w.load()
+    assert (report.running_sequences, report.running_prompt_tokens) == (1, 0)
+    assert report.prefill_tokens_per_s == pytest.approx(10.0)
+    gate.set()
+    check_greedy(w, hf, prompt(12), list(call), "held")
+
+
 @pytest.fixture(scope="module")
 def wide_ckpt(tmp_path_factory):
     """8 layers' worth of KV per token (4 layers x 8 KV heads x 64 x fp32 = 16 KiB): a long prompt's

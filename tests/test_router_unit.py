@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -22,7 +23,7 @@ from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed
                                   completion_to_routed)
 from router.policies import (DECODE, PREFILL, LeastLoaded, LocalPrefillRule, PrefixAffinity,
                              RoundRobin, WorkerLoad, WorkerState, affinity_key, make_policy,
-                             rendezvous_order)
+                             prefill_eta_s, prompt_tokens_ahead, rendezvous_order)
 from router.registry import Registry, resolve, split_host_port
 
 MAX_MODEL_LEN = 64
@@ -552,6 +553,75 @@ def test_short_prompts_can_always_be_local_and_long_ones_when_the_pool_is_busy()
     assert LocalPrefillRule(always_tokens=64).prefill_locally(64, [busy])
     with pytest.raises(ValueError, match="local prefill always_tokens must be an integer >= 0"):
         LocalPrefillRule(always_tokens=-1)
+
+
+def rated(address, role, rate, received_ns, queued=0, running=0):
+    load = WorkerLoad(queued_prompt_tokens=queued, running_prompt_tokens=running, role=role,
+                      prefill_tokens_per_s=rate, received_ns=received_ns)
+    return WorkerState(address, role, True, load, "")
+
+
+def test_tokens_ahead_count_down_at_the_reported_rate_from_the_poll():
+    s = 10**9
+    w = rated("p1:1", PREFILL, 500.0, received_ns=100 * s, queued=400, running=1000)
+    assert prompt_tokens_ahead(w, 100 * s) == 1400
+    assert prompt_tokens_ahead(w, 101 * s) == 900  # a second at 500 tok/s since the poll
+    assert prompt_tokens_ahead(w, 104 * s) == 0  # never below nothing
+    assert prompt_tokens_ahead(w, 99 * s) == 1400  # a poll "from the future": no progress
+    unrated = rated("p2:1", PREFILL, 0.0, received_ns=100 * s, queued=400)
+    assert prompt_tokens_ahead(unrated, 105 * s) == 400  # no rate measured: as reported
+    assert prefill_eta_s(w.load, 600, 101 * s) == pytest.approx((900 + 600) / 500)
+    assert prefill_eta_s(unrated.load, 600, 101 * s) is None
+
+
+def test_local_prefill_goes_where_the_prompt_would_be_prefilled_first():
+    s = 10**9
+    rule = LocalPrefillRule(max_tokens=2048, queue_tokens=1000, always_tokens=256)
+    # session 19's case: the prefill worker has a long prompt's 1400 tokens ahead, the decode
+    # worker 700 of another one left at a third of the rate: remote (5 s against 11.5 s)
+    remote = rated("p1:1", PREFILL, 600.0, received_ns=100 * s, running=1400)
+    local = rated("d1:1", DECODE, 200.0, received_ns=100 * s, queued=700)
+    assert not rule.prefill_locally(1600, [remote], local, now_ns=100 * s)
+    # the decode worker free and as fast: local (the pool has >= queue_tokens ahead)
+    idle_local = rated("d1:1", DECODE, 600.0, received_ns=100 * s)
+    assert rule.prefill_locally(1600, [remote], idle_local, now_ns=100 * s)
+    # the same remote report 1 s older: 600 tokens less ahead, below queue_tokens: remote
+    assert not rule.prefill_locally(1600, [remote], idle_local, now_ns=101 * s)
+    # the soonest of several candidates is what local must beat
+    soon = rated("p2:1", PREFILL, 1200.0, received_ns=100 * s, running=1000)
+    slow_local = rated("d1:1", DECODE, 300.0, received_ns=100 * s)
+    assert rule.prefill_locally(500, [remote], slow_local, now_ns=100 * s)  # 1.67 <= 3.17 s
+    assert not rule.prefill_locally(500, [remote, soon], slow_local, now_ns=100 * s)  # > 1.25
+    # a side without a measured rate does not veto; short prompts stay local whatever
+    assert rule.prefill_locally(1600, [remote], rated("d1:1", DECODE, 0.0, 100 * s, 5000),
+                                now_ns=100 * s)
+    assert rule.prefill_locally(1600, [rated("p1:1", PREFILL, 0.0, 0, running=1400)], local,
+                                now_ns=100 * s)
+    assert rule.prefill_locally(200, [remote], local, now_ns=100 * s)
+
+
+def test_a_dispatch_queues_the_prompt_where_it_is_prefilled_counted_down_to_now():
+    async def run():
+        registry = Registry({DECODE: ["d1:1"], PREFILL: ["p1:1"]})
+        (d1,), (p1,) = registry.workers(DECODE), registry.workers(PREFILL)
+        d1.healthy = p1.healthy = True
+        then = time.monotonic_ns() - 10**9  # polled a second ago
+        d1.load = WorkerLoad(kv_blocks_free=100, kv_block_size=16, queued_prompt_tokens=300,
+                             prefill_tokens_per_s=100.0, received_ns=then)
+        p1.load = WorkerLoad(queued_prompt_tokens=500, running_prompt_tokens=800,
+                             prefill_tokens_per_s=600.0, received_ns=then)
+        registry.note_dispatch("d1:1", "p1:1", 1000)  # remote
+        remote = (d1.load, p1.load)
+        registry.note_dispatch("d1:1", None, 150)  # no candidate sent: local
+        return remote, d1.load
+
+    (d_remote, p_remote), d_local = asyncio.run(run())
+    # the prefill worker did ~600 of its running 800 tokens since the poll; 1000 more queued
+    assert p_remote.running_prompt_tokens == pytest.approx(200, abs=15)
+    assert p_remote.queued_prompt_tokens == 1500
+    assert d_remote.queued_prompt_tokens == pytest.approx(200, abs=5)  # counted down only
+    assert d_local.queued_prompt_tokens == pytest.approx(350, abs=5)  # and the local prompt
+    assert d_local.running_sequences == 2
 
 
 def test_prefill_ranking_counts_the_tokens_being_prefilled():

@@ -9,6 +9,7 @@ import pytest
 
 from decode_service import main
 from decode_service.engine import EngineConfig
+from nxdi_common import kv_transfer
 from nxdi_common.serving.types import DecodeJob
 
 CHUNK = 16
@@ -137,3 +138,41 @@ def test_the_benchmark_passes_the_target_to_our_decode_workers():
     for name in ("disaggregated", "aggregated"):
         assert our_launch_spec(name, serve).decode_args[-2:] == ["--tpot-target-ms", "100"]
         assert "--tpot-target-ms" not in our_launch_spec(name, ServeSettings()).decode_args
+
+
+def test_load_reports_the_local_prefill_tokens_left_and_the_rate_they_go_at(engine):
+    """What a router weighs a local prefill by (router.policies.LocalPrefillRule): the prompt
+    tokens the local prefills have still to compute, counted from submission, and the prompt
+    tokens per second of wall time they have gone at, time between pieces included."""
+    from decode_service.convert import worker_load
+
+    prompt = engine.admit(DecodeJob("eta", tuple(range(100, 150))), 4, lambda event: None)
+    dropped = engine.admit(DecodeJob("gone", tuple(range(100, 130))), 4, lambda event: None)
+    try:
+        t0 = time.perf_counter()
+        engine.submit_local_prefill(prompt)
+        engine.submit_local_prefill(dropped)
+        assert engine.load()["local_prompt_tokens"] == 50 + 30
+        engine.drop(dropped)
+        engine._apply_commands(block=False)
+        assert engine.load()["local_prompt_tokens"] == 50
+        assert engine.load()["prefill_tokens_per_s"] == 0.0  # nothing measured yet
+        assert engine._local_piece() is False  # no running batch: a call of its own
+        first = engine.load()
+        assert first["local_prompt_tokens"] == 50 - CHUNK
+        assert 0 < CHUNK / first["prefill_tokens_per_s"] <= time.perf_counter() - t0
+        time.sleep(0.3)  # a piece held back (as the TPOT target does): the rate falls
+        engine._local_piece()
+        second = engine.load()
+        assert second["local_prompt_tokens"] == 50 - 2 * CHUNK
+        assert second["prefill_tokens_per_s"] < first["prefill_tokens_per_s"]
+        assert CHUNK / second["prefill_tokens_per_s"] > 0.25 * 0.3  # the average's weight
+        while engine._local:
+            engine._local_piece()
+        assert engine.load()["local_prompt_tokens"] == 0 and prompt in engine.scheduler.ready
+        msg = worker_load("d:1", kv_transfer.ModelFingerprint("m", 1, 1, 8, "float32", "none",
+                                                              "x"), second, 4, 16, 0)
+        assert (msg.queued_prompt_tokens, msg.prefill_tokens_per_s) == (
+            50 - 2 * CHUNK, pytest.approx(second["prefill_tokens_per_s"]))
+    finally:
+        forget(engine, prompt, dropped)

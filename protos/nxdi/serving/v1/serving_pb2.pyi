@@ -320,7 +320,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "address", "fingerprint", "queued_prompt_tokens", "queued_requests", "running_sequences", "max_running_sequences", "kv_blocks_used", "kv_blocks_free", "kv_block_size", "open_transfers", "reported_at_unix_ns", "running_prompt_tokens")
+    __slots__ = ("role", "address", "fingerprint", "queued_prompt_tokens", "queued_requests", "running_sequences", "max_running_sequences", "kv_blocks_used", "kv_blocks_free", "kv_block_size", "open_transfers", "reported_at_unix_ns", "running_prompt_tokens", "prefill_tokens_per_s")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +334,7 @@ class WorkerLoad(_message.Message):
     OPEN_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     REPORTED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     address: str
     fingerprint: ModelFingerprint
@@ -347,4 +348,5 @@ class WorkerLoad(_message.Message):
     open_transfers: int
     reported_at_unix_ns: int
     running_prompt_tokens: int
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_sequences: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., open_transfers: _Optional[int] = ..., reported_at_unix_ns: _Optional[int] = ..., running_prompt_tokens: _Optional[int] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_sequences: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., open_transfers: _Optional[int] = ..., reported_at_unix_ns: _Optional[int] = ..., running_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
