@@ -68,10 +68,20 @@ def decode_load_key(w: WorkerState) -> tuple:
     return -load.kv_blocks_free, load.running_sequences + load.queued_requests, w.address
 
 
-def prefill_load_key(w: WorkerState) -> tuple:
-    """Fewest prompt tokens ahead (queued or being encoded) first, then the fewest KV transfers
-    in progress."""
-    return prompt_tokens_ahead(w), w.current_load.open_transfers, w.address
+def prefill_load_key(prompt_len: int, workers: Sequence[WorkerState]):
+    """The sort key of prefill workers for a prompt of ``prompt_len`` tokens: the soonest to
+    have prefilled it first when every one of them reports a measured rate (prefill_eta_s: a
+    faster worker with more ahead can finish first, as in a pool of mixed instance types), else
+    the fewest prompt tokens ahead (queued or being encoded; seconds and tokens do not compare);
+    then the fewest KV transfers in progress."""
+    now = time.monotonic_ns()
+    timed = all(w.current_load.prefill_tokens_per_s > 0 for w in workers)
+
+    def key(w: WorkerState) -> tuple:
+        load = w.current_load
+        first = (prefill_eta_s(load, prompt_len, now) if timed else tokens_ahead_at(load, now))
+        return first, load.open_transfers, w.address
+    return key
 
 
 def prompt_tokens_ahead(w: WorkerState, now_ns: int | None = None) -> float:
@@ -152,7 +162,8 @@ class LeastLoaded:
         return sorted(_healthy(workers), key=decode_load_key)
 
     def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
-        return sorted(_healthy(workers), key=prefill_load_key)
+        healthy = _healthy(workers)
+        return sorted(healthy, key=prefill_load_key(len(prompt_ids), healthy))
 
 
 class RoundRobin:
@@ -220,7 +231,8 @@ class PrefixAffinity:
                           lambda w: w.current_load.kv_blocks_free == 0)
 
     def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
-        return self._rank(prompt_ids, workers, prefill_load_key, lambda w: False)
+        return self._rank(prompt_ids, workers,
+                          prefill_load_key(len(prompt_ids), _healthy(workers)), lambda w: False)
 
 
 POLICIES = {p.name: p for p in (LeastLoaded, RoundRobin, PrefixAffinity)}

@@ -629,6 +629,22 @@ def test_prefill_ranking_counts_the_tokens_being_prefilled():
     assert addresses(LeastLoaded().rank_prefill([1], workers)) == ["p2:1", "p1:1"]
 
 
+def test_prefill_ranking_puts_the_soonest_finisher_first_when_every_rate_is_known():
+    """A fast worker with more ahead finishes a 500-token prompt first: (1000 + 500) / 2000 =
+    0.75 s against (500 + 500) / 500 = 2 s. Without a rate from every worker the ranking is by
+    tokens ahead, as before; the prefix-affinity policy falls back to the same key."""
+    now = time.monotonic_ns()
+    fast = rated("p1:1", PREFILL, 2000.0, received_ns=now, running=1000)
+    slow = rated("p2:1", PREFILL, 500.0, received_ns=now, queued=500)
+    prompt = list(range(500))
+    assert addresses(LeastLoaded().rank_prefill(prompt, [slow, fast])) == ["p1:1", "p2:1"]
+    assert addresses(PrefixAffinity().rank_prefill(prompt[:10], [slow, fast])) == [
+        "p1:1", "p2:1"]  # shorter than one block: no affinity, least-loaded order
+    new = rated("p3:1", PREFILL, 0.0, received_ns=now, queued=800)  # not measured yet
+    assert addresses(LeastLoaded().rank_prefill(prompt, [slow, fast, new])) == [
+        "p2:1", "p3:1", "p1:1"]
+
+
 def test_router_settings_name_a_bad_local_prefill_value():
     from router.server import RouterSettings
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 0, got -5"):
