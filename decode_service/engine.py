@@ -438,6 +438,8 @@ class DecodeEngine:
         load = self.load()
         self.metrics.running_sequences.set(load["running"])
         self.metrics.queue_depth_requests.set(load["queued"])
+        self.metrics.queued_prompt_tokens.set(load["local_prompt_tokens"])
+        self.metrics.prefill_tokens_per_second.set(load["prefill_tokens_per_s"])
         self.metrics.kv_blocks_used_blocks.set(load["kv_blocks_used"])
         self.metrics.kv_blocks_free_blocks.set(load["kv_blocks_free"])
 

@@ -279,8 +279,11 @@ class PrefillApp:
         self.grpc: GrpcServer | None = None
 
     def _on_change(self, queued: int, running: int) -> None:
+        """The engine's counts changed (called with its lock held: reads, no calls into it)."""
         self.metrics.queue_depth_requests.set(queued)
         self.metrics.running_sequences.set(running)
+        self.metrics.queued_prompt_tokens.set(self.engine.scheduler.queued_prompt_tokens)
+        self.metrics.prefill_tokens_per_second.set(self.engine.rate.tokens_per_s)
 
     async def start(self, host: str, port: int, start_engine: bool = True) -> int:
         """Serve on host:port (0: a free port); returns the bound port. With start_engine False

@@ -19,7 +19,7 @@ NAMESPACE = "nxdi"
 GRPC_PORT, METRICS_PORT, HTTP_PORT = 50051, 9090, 8000
 COMPONENT = "app.kubernetes.io/component"
 # Per-pod signals the HPAs may use: the gauges the services export, and what the adapter derives.
-ADAPTER_METRICS = {"nxdi_kv_blocks_used_ratio"}
+ADAPTER_METRICS = {"nxdi_kv_blocks_used_ratio", "nxdi_prefill_backlog_seconds"}
 
 
 def _docs(path: Path) -> list[dict]:
@@ -198,7 +198,7 @@ def test_hpas_target_deployments_on_exported_metrics():
     hpas, deployments = _by_kind("HorizontalPodAutoscaler"), _by_kind("Deployment")
     assert sorted(hpas) == ["decode", "prefill"]
     exported = {"nxdi_" + name for name, _ in GAUGES} | ADAPTER_METRICS
-    wanted = {"prefill": {"nxdi_queue_depth_requests"},
+    wanted = {"prefill": {"nxdi_queue_depth_requests", "nxdi_prefill_backlog_seconds"},
               "decode": {"nxdi_kv_blocks_used_ratio", "nxdi_running_sequences"}}
     for name, hpa in hpas.items():
         assert hpa["apiVersion"] == "autoscaling/v2"

@@ -15,6 +15,8 @@ EXPECTED_FAMILIES = {
     "nxdi_kv_blocks_used_blocks": "gauge",
     "nxdi_kv_blocks_free_blocks": "gauge",
     "nxdi_open_kv_transfers": "gauge",
+    "nxdi_queued_prompt_tokens": "gauge",
+    "nxdi_prefill_tokens_per_second": "gauge",
     "nxdi_kv_transfer_bytes": "counter",
     "nxdi_requests": "counter",
     "nxdi_generated_tokens": "counter",

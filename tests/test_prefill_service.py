@@ -364,6 +364,7 @@ def test_queue_bound_load_report_and_cancel_while_queued(make_live, hf):
     assert report.fingerprint == kv_transfer.fingerprint_to_proto(w.fingerprint)
     assert (report.queued_prompt_tokens, report.running_sequences,
             report.max_running_sequences, report.open_transfers) == (14, 0, 3, 0)
+    assert w.app.metrics.value("nxdi_queued_prompt_tokens") == 14
     assert (report.kv_blocks_used, report.kv_blocks_free, report.kv_block_size) == (0, 0, 0)
     assert before <= report.reported_at_unix_ns <= time.time_ns()
     code, details = refusal(w, w.request(prompt(3)))
@@ -408,6 +409,7 @@ def test_load_report_counts_down_the_running_prompt_at_the_measured_rate(make_li
                  "req")
     rate = w.wait_load(running_sequences=0).prefill_tokens_per_s
     assert rate == pytest.approx(w.app.engine.rate.tokens_per_s)
+    assert w.app.metrics.value("nxdi_prefill_tokens_per_second") == pytest.approx(rate)
     assert 0 < 11 / rate <= time.perf_counter() - began  # the batch within the call's time
     model, gate = w.app.engine.model, threading.Event()
     forward = model.forward

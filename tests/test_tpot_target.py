@@ -165,6 +165,10 @@ def test_load_reports_the_local_prefill_tokens_left_and_the_rate_they_go_at(engi
         engine._local_piece()
         second = engine.load()
         assert second["local_prompt_tokens"] == 50 - 2 * CHUNK
+        engine._update_gauges()
+        assert engine.metrics.value("nxdi_queued_prompt_tokens") == 50 - 2 * CHUNK
+        assert engine.metrics.value("nxdi_prefill_tokens_per_second") == pytest.approx(
+            second["prefill_tokens_per_s"])
         assert second["prefill_tokens_per_s"] < first["prefill_tokens_per_s"]
         assert CHUNK / second["prefill_tokens_per_s"] > 0.25 * 0.3  # the average's weight
         while engine._local:

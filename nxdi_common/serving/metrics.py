@@ -42,6 +42,11 @@ GAUGES = (
     ("kv_blocks_used_blocks", "KV cache blocks in use"),
     ("kv_blocks_free_blocks", "KV cache blocks free to reserve"),
     ("open_kv_transfers", "KV transfers in progress"),
+    ("queued_prompt_tokens", "Prompt tokens waiting to be prefilled (prefill: queued; decode: "
+     "what its local prefills have still to compute), the prefill pool's scaling signal"),
+    ("prefill_tokens_per_second", "Prompt tokens prefilled per second lately while there were "
+     "prompts to prefill, as the load report tells the router (decode: its local prefills, the "
+     "time between their pieces included)"),
 )
 COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
     ("kv_transfer_bytes", "KV cache payload bytes sent or received"),
@@ -87,7 +92,8 @@ class ServingMetrics:
     histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
     ``e2e_request_latency_seconds``, ``kv_transfer_duration_seconds``; gauges
     ``queue_depth_requests``, ``running_sequences``, ``kv_blocks_used_blocks``,
-    ``kv_blocks_free_blocks``, ``open_kv_transfers``; counters ``kv_transfer_bytes_total``,
+    ``kv_blocks_free_blocks``, ``open_kv_transfers``, ``queued_prompt_tokens``,
+    ``prefill_tokens_per_second``; counters ``kv_transfer_bytes_total``,
     ``generated_tokens_total``, ``prompt_tokens_total``, ``decode_steps_total``,
     ``token_generation_calls_total``, ``mixed_steps_total``, ``deferred_pieces_total``,
     ``kv_socket_transfers_total``,
