@@ -81,5 +81,5 @@ def worker_load(address: str, fingerprint, load: dict, max_running: int, block_s
         max_running_sequences=max_running, kv_blocks_used=load["kv_blocks_used"],
         kv_blocks_free=load["kv_blocks_free"], kv_block_size=block_size,
         open_transfers=open_transfers, reported_at_unix_ns=time.time_ns(),
-        queued_prompt_tokens=load.get("local_prompt_tokens", 0),
-        prefill_tokens_per_s=load.get("prefill_tokens_per_s", 0.0))
+        queued_prompt_tokens=load["local_prompt_tokens"],
+        prefill_tokens_per_s=load["prefill_tokens_per_s"])

@@ -444,7 +444,6 @@ class DecodeEngine:
         self.metrics.kv_blocks_free_blocks.set(load["kv_blocks_free"])
 
 
-
 def _rows(out: CausalLMOutput, rows: slice) -> CausalLMOutput:
     """Some rows of a model call's output."""
     return CausalLMOutput(logits=None if out.logits is None else out.logits[rows],

@@ -86,9 +86,9 @@ def pack_panels(weight: torch.Tensor, pairs: Optional[bool] = None) -> torch.Ten
     by two, as the dot products take them: [ceil(out / 16), ceil(in / 2), 32] with
     pairs[p, i, 2j + h] = weight[16p + j, 2i + h], zero past the last input too. The kernel then
     loads a pair as it is instead of interleaving it in every tile (the 121 products of a decode
-    step 3-10% faster at 8-16 rows, ~15% at 64 and more; BENCHMARKS.md, session 19). Copied straight into the result: no
-    padded or transposed temporary, which for the LM head would be another 57 MB that the
-    allocator (runtime.py keeps large blocks) need not give back."""
+    step 3-10% faster at 8-16 rows, ~15% at 64 and more; BENCHMARKS.md, session 19). Copied
+    straight into the result: no padded or transposed temporary, which for the LM head would be
+    another 57 MB that the allocator (runtime.py keeps large blocks) need not give back."""
     w = weight.detach()
     out_features, in_features = w.shape
     full, rest = divmod(out_features, PANEL_WIDTH)
