@@ -34,6 +34,16 @@ time is measured on steps without a piece; while pieces run back to back the run
 grow, so when that measurement is older than STEP_REMEASURE_S one step runs without a piece to
 measure it again.
 
+With an ITL target (``EngineConfig.itl_target_s``, the worker's --itl-target-ms) and a running
+batch, a piece is sized so that the step it rides in stays within the target: the largest of the
+mixed sub-model's chunk lengths (NeuronConfig.mixed_chunk_buckets) whose measured cost (the
+seconds a piece of that length adds to a step), added to the measured decode step, fits; the
+smallest when none fits, so a local prefill always advances. A fixed 256-token piece stalls
+every running stream for ~0.35 s on one core of the Zen 4 VM (p99 ITL 0.4-0.5 s at 1 req/s,
+BENCHMARKS.md session 20) where a step alone takes ~20 ms: the target trades local prefill
+throughput (a piece shares each step with the batch) for even token gaps. With no running batch a
+piece is a full prefill_chunk_size: there is no stream to stall.
+
 Blocks are reserved at admission for prompt + max_tokens, so a running sequence never runs out of
 KV room and nothing is ever preempted. Every sequence's blocks are freed exactly once, when it
 finishes, fails or is cancelled (``drop``)."""
@@ -61,6 +71,7 @@ from nxdi_common.serving.detokenize import OutputText
 log = logging.getLogger(__name__)
 K, V = 0, 1
 STEP_REMEASURE_S = 1.0  # with a TPOT target: the oldest decode step time pieces are judged by
+PIECE_COST_DECAY = 0.8  # the weight of earlier pieces in the measured seconds per token
 
 
 @dataclass(frozen=True)
@@ -75,10 +86,15 @@ class EngineConfig:
     # A running sequence's time per output token that local prefill pieces must not push it
     # over (module doc); None: a piece every step while a prompt waits.
     tpot_target_s: float | None = None
+    # The inter-token gap a piece sized for the running batch keeps its step within (module
+    # doc); None: every piece is prefill_chunk_size tokens.
+    itl_target_s: float | None = None
 
     def __post_init__(self):
-        if self.tpot_target_s is not None and not self.tpot_target_s > 0:
-            raise ValueError(f"tpot_target_s must be > 0 seconds, got {self.tpot_target_s}")
+        for name in ("tpot_target_s", "itl_target_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
 
 
 class DecodeEngine:
@@ -96,6 +112,9 @@ class DecodeEngine:
         self._local: deque[Sequence] = deque()  # local prefills: the one begun, then by arrival
         self.chunk = model.neuron_config.prefill_chunk_size
         self._mixed = getattr(model, "mixed_model", None) is not None
+        # the mixed sub-model's chunk lengths, ascending (a piece pads to the smallest that
+        # holds it)
+        self.sizes = sorted(getattr(model, "mixed_models", None) or ())
         # admitted and not released, by request id: a command or release for a sequence acts
         # only while its id still maps to it (an id may be reused once its sequence finished)
         self._live: dict[str, Sequence] = {}
@@ -106,6 +125,7 @@ class DecodeEngine:
         # to the running sequences' next token (moving averages; None until first measured)
         self.step_s: float | None = None
         self.piece_s_per_token: float | None = None
+        self._piece_sums = (0.0, 0.0)  # decayed sums of the seconds pieces added, their tokens
         self.step_measured_ns = 0  # when step_s was last measured (monotonic)
         # local prefills submitted and not yet done, by id() (load(): their tokens left), and
         # the rate they go at: a piece's tokens over the wall time since the previous piece
@@ -209,50 +229,80 @@ class DecodeEngine:
             self._apply_commands(block=idle)
             if self._stopping:
                 break
-            if not (self._local and self._piece_now() and self._local_piece()):
+            piece = self._plan_piece() if self._local else None
+            if not (piece and self._piece_now(piece) and self._local_piece(piece)):
                 self._decode_calls()
             self._update_gauges()
 
-    def _piece_now(self) -> bool:
-        """Whether the next local prefill piece runs in this step (module doc: the TPOT
+    def _plan_piece(self) -> tuple[Sequence, int, int]:
+        """The next local prefill piece: (sequence, start, end) of its prompt positions."""
+        seq = self._next_local()
+        return (seq, *self._next_piece(seq, self._piece_size()))
+
+    def _piece_size(self) -> int | None:
+        """The next piece's tokens at most (module doc: the ITL target): prefill_chunk_size, or
+        with the target and a running batch the largest mixed chunk length whose step fits."""
+        target = self.config.itl_target_s
+        if target is None or not self.sizes or not (self.scheduler.running or
+                                                    self.scheduler.ready):
+            return self.chunk
+        if self.step_s is None:
+            return self.sizes[0]
+        fits = [c for c in self.sizes
+                if (cost := self._piece_cost(c)) is not None and self.step_s + cost <= target]
+        return fits[-1] if fits else self.sizes[0]
+
+    def _piece_cost(self, tokens: int) -> float | None:
+        """Seconds a piece of `tokens` adds to the running batch's step: the measured seconds
+        per token times the mixed chunk length it pads to (None until measured)."""
+        if self.piece_s_per_token is None:
+            return None
+        return self._padded(tokens) * self.piece_s_per_token
+
+    def _padded(self, tokens: int) -> int:
+        """The mixed chunk length a piece of `tokens` runs in (tokens itself without one)."""
+        return next((c for c in self.sizes if c >= tokens), tokens)
+
+    def _piece_now(self, piece: tuple[Sequence, int, int]) -> bool:
+        """Whether the planned local prefill piece runs in this step (module doc: the TPOT
         target); counts the steps it waits."""
         target = self.config.tpot_target_s
-        if target is None:
+        if target is None and self.config.itl_target_s is None:
             return True
         now = time.monotonic_ns()
         waiting = self.scheduler.running or self.scheduler.ready
         if waiting and (now - self.step_measured_ns) / 1e9 > STEP_REMEASURE_S:
-            return False  # a step of its own first, to measure it
-        if self.step_s is None or self.piece_s_per_token is None:
+            return False  # a step of its own first, to measure it (both targets use it)
+        _, start, end = piece
+        cost = self._piece_cost(end - start)
+        if target is None or self.step_s is None or cost is None:
             return True
-        start, end = self._next_piece(self._next_local())
         running = [((now - s.first_token_ns) / 1e9, len(s.generated), s.max_tokens)
                    for s in list(self.scheduler.running.values()) + list(self.scheduler.ready)]
-        if not piece_costs_a_tpot(running, (end - start) * self.piece_s_per_token, self.step_s,
-                                  target):
+        if not piece_costs_a_tpot(running, cost, self.step_s, target):
             return True
         if self.metrics is not None:
             self.metrics.deferred_pieces_total.inc()
         return False
 
-    def _local_piece(self) -> bool:
-        """The next piece of a local prefill; True when the running batch's decode step rode in
-        its call (then the step is done)."""
-        seq = self._next_local()
+    def _local_piece(self, piece: tuple[Sequence, int, int]) -> bool:
+        """The planned piece of a local prefill; True when the running batch's decode step rode
+        in its call (then the step is done)."""
+        seq, start, end = piece
         self._local.remove(seq)
-        start, end = self._next_piece(seq)
-        batch = self.scheduler.next_batch() if self._mixes(seq) else []
+        batch = self.scheduler.next_batch() if self._mixes(start, end) else []
         began = time.perf_counter()
         if not batch:
-            self._guarded(self._prefill_piece, [seq], seq)
+            self._guarded(self._prefill_piece, [seq], piece)
             self._measured_local(end - start)
             if self.scheduler.running:  # the running batch's step waits for this call
                 self._measured_piece(time.perf_counter() - began, end - start)
             return False
-        self._guarded(self._mixed_step, [seq] + batch, (seq, batch))
+        self._guarded(self._mixed_step, [seq] + batch, (piece, batch))
         self._measured_local(end - start)
-        if self.step_s is not None:  # what the piece added to the step
-            self._measured_piece(max(time.perf_counter() - began - self.step_s, 0.0), end - start)
+        if self.step_s is not None:  # what the piece (padded) added to the step
+            self._measured_piece(time.perf_counter() - began - self.step_s,
+                                 self._padded(end - start))
         if self.metrics is not None:
             self.metrics.decode_steps_total.inc()
             self.metrics.mixed_steps_total.inc()
@@ -279,7 +329,15 @@ class DecodeEngine:
         self._local_mark = now if self._local else None
 
     def _measured_piece(self, seconds: float, tokens: int) -> None:
-        self.piece_s_per_token = moving_average(self.piece_s_per_token, seconds / max(tokens, 1))
+        """A piece of `tokens` added `seconds` to a step (noisy: a step time less the average
+        step, so it may be negative): seconds per token as a ratio of decayed sums, so a long
+        piece weighs more than a short one, and the noise of short ones averages out instead of
+        being clipped at zero one sample at a time."""
+        seconds_sum, tokens_sum = self._piece_sums
+        seconds_sum = PIECE_COST_DECAY * seconds_sum + seconds
+        tokens_sum = PIECE_COST_DECAY * tokens_sum + max(tokens, 1)
+        self._piece_sums = (seconds_sum, tokens_sum)
+        self.piece_s_per_token = max(seconds_sum / tokens_sum, 0.0)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -339,50 +397,49 @@ class DecodeEngine:
             return long, index if long else left
         return min(enumerate(self._local), key=key)[1]
 
-    def _mixes(self, seq: Sequence) -> bool:
-        """Whether the sequence's next piece takes the decode step into its call: not when it
-        is a whole prompt shorter than a piece (context encoding pads it to a bucket near its
-        length; the mixed call's chunk is always a full piece, and the step costs less)."""
-        start, end = self._next_piece(seq)
-        return self._mixed and (start > 0 or end - start == self.chunk)
+    def _mixes(self, start: int, end: int) -> bool:
+        """Whether the piece [start, end) takes the decode step into its call: not when it is a
+        whole prompt shorter than the chunk length it pads to (context encoding pads it to a
+        bucket near its length, and the step costs less)."""
+        return self._mixed and (start > 0 or end - start == self._padded(end - start))
 
     def _prefill_left(self, seq: Sequence) -> int:
         """Prompt tokens the sequence's local prefill has still to compute (its order key)."""
         return seq.prompt_len - self._next_piece(seq)[0]
 
-    def _next_piece(self, seq: Sequence) -> tuple[int, int]:
-        """Prompt positions [start, end) of the sequence's next local prefill call."""
+    def _next_piece(self, seq: Sequence, size: int | None = None) -> tuple[int, int]:
+        """Prompt positions [start, end) of the sequence's next local prefill call, of at most
+        `size` tokens (default prefill_chunk_size)."""
         n = seq.prompt_len
         if self.chunk is None:
             return 0, n  # one context encoding; a cached prefix is computed again, not written
         start = seq.prefilled or seq.num_cached_tokens  # the cached prefix is read, not computed
-        return start, min(n, start + self.chunk)
+        return start, min(n, start + (size or self.chunk))
 
-    def _piece_args(self, seq: Sequence) -> tuple[dict, int]:
-        """forward() arguments of the sequence's next prompt piece, and the piece's end."""
+    def _piece_args(self, seq: Sequence, start: int, end: int) -> dict:
+        """forward() arguments of the sequence's prompt piece [start, end)."""
         n, cached = seq.prompt_len, seq.num_cached_tokens
-        start, end = self._next_piece(seq)
         slots = [self.scratch_slot if p < cached else s
                  for p, s in zip(range(start, end), self.slots(seq, start, end))]
         return dict(input_ids=torch.tensor([seq.job.prompt_ids[start:end]]),
                     seq_ids=torch.tensor([0]), position_ids=torch.arange(start, end).unsqueeze(0),
                     sampling_params=torch.tensor([seq.job.sampling.as_row()]),
                     slot_mapping=torch.tensor([slots]), block_table=torch.tensor([seq.block_table]),
-                    rand=torch.tensor([seq.draw_uniform() if end == n else 0.0])), end
+                    rand=torch.tensor([seq.draw_uniform() if end == n else 0.0]))
 
     @torch.no_grad()
-    def _prefill_piece(self, seq: Sequence) -> None:
-        """The next piece of the sequence's prompt (a model call of its own)."""
-        args, end = self._piece_args(seq)
-        self._piece_done(seq, end, self.model.forward(**args))
+    def _prefill_piece(self, piece: tuple[Sequence, int, int]) -> None:
+        """A piece of a sequence's prompt (a model call of its own)."""
+        seq, start, end = piece
+        self._piece_done(seq, end, self.model.forward(**self._piece_args(seq, start, end)))
 
     @torch.no_grad()
-    def _mixed_step(self, arg: tuple[Sequence, list[Sequence]]) -> None:
-        """The next piece of a prompt and a decode step of the running batch in one model call
+    def _mixed_step(self, arg: tuple[tuple[Sequence, int, int], list[Sequence]]) -> None:
+        """A piece of a prompt and a decode step of the running batch in one model call
         (forward_mixed): the weights are read once for both."""
-        seq, batch = arg
-        args, end = self._piece_args(seq)
-        out = self.model.forward_mixed(chunk=args, decode=self._step_args(batch))
+        (seq, start, end), batch = arg
+        out = self.model.forward_mixed(chunk=self._piece_args(seq, start, end),
+                                       decode=self._step_args(batch))
         self._piece_done(seq, end, _rows(out, slice(0, 1)))
         self._finish_step(batch, _rows(out, slice(1, None)))
 

@@ -10,6 +10,7 @@ from decode_service.engine import DecodeEngine, EngineConfig
 from decode_service.kv_pull import KVPuller, PrefillChannels
 from decode_service.server import DecodeServicer
 from nxdi_common import kv_transfer
+from nxdi_common.bucketing import parse_buckets, validate_buckets
 from nxdi_common.serving import grpc_server, worker
 from nxdi_common.serving.metrics import ServingMetrics
 from nxdi_common.serving.types import ModelLimits
@@ -19,6 +20,16 @@ log = logging.getLogger("decode_service")
 # 1792-token prompt takes 1.04x its one-pass time in 256-token pieces (0.35-0.64 s each) and
 # 1.13x in 128-token pieces (each piece reads the weights again and runs its own call).
 DEFAULT_PREFILL_CHUNK_TOKENS = 256
+SMALLEST_DEFAULT_PIECE = 16  # --itl-target-ms's default piece sizes: 16, 32, ... then the chunk
+
+
+def default_piece_sizes(chunk: int) -> tuple[int, ...]:
+    """Powers of two from SMALLEST_DEFAULT_PIECE below `chunk`, then `chunk`."""
+    sizes, c = [], SMALLEST_DEFAULT_PIECE
+    while c < chunk:
+        sizes.append(c)
+        c *= 2
+    return (*sizes, chunk)
 
 
 def parse_args(argv=None):
@@ -45,6 +56,16 @@ def parse_args(argv=None):
                    help="a local prefill piece waits while it would put a running sequence over "
                    "this time per output token that it would otherwise meet (e.g. the TPOT SLO); "
                    "default: a piece every step while a prompt waits")
+    p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
+                   help="with sequences running, a local prefill piece is sized so that the step "
+                   "it rides in stays within MS: the largest of --piece-sizes whose measured "
+                   "cost fits (the smallest if none does; a prompt always advances); default: "
+                   "every piece --prefill-chunk-tokens")
+    p.add_argument("--piece-sizes", type=parse_buckets, default=None, metavar="N,N,...",
+                   help="the piece lengths a local prefill may take beside running sequences "
+                   "(one mixed sub-model is built for each), ascending, ending at "
+                   "--prefill-chunk-tokens; default with --itl-target-ms: 16, 32, 64, ... and "
+                   "--prefill-chunk-tokens, else --prefill-chunk-tokens alone")
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES)
     p.add_argument("--kv-socket", choices=("on", "off"), default="on",
                    help="take prompt KV over the prefill worker's direct TCP connection when it "
@@ -57,20 +78,23 @@ def parse_args(argv=None):
 def build(args):
     """(servicer, engine, channels, metrics) for the parsed arguments."""
     opts = worker.model_options_from_args(args)
-    if args.tpot_target_ms is not None and not args.tpot_target_ms > 0:
-        raise SystemExit(f"--tpot-target-ms must be > 0 milliseconds, got {args.tpot_target_ms}")
+    for flag, value in (("--tpot-target-ms", args.tpot_target_ms),
+                        ("--itl-target-ms", args.itl_target_ms)):
+        if value is not None and not value > 0:
+            raise SystemExit(f"{flag} must be > 0 milliseconds, got {value}")
     if args.prefill_chunk_tokens < 0:
         raise SystemExit(f"--prefill-chunk-tokens must be >= 0 (0: no chunking), got "
                          f"{args.prefill_chunk_tokens}")
     nc = worker.decode_neuron_config(opts, args.max_batch_size, args.kv_blocks, args.block_size,
-                                     args.prefill_chunk_tokens)
+                                     args.prefill_chunk_tokens, _piece_sizes(args))
     model = worker.load_model(opts, nc)
     tokenizer = worker.load_tokenizer(opts)
     fingerprint = worker.model_fingerprint(model, opts)
     metrics = ServingMetrics("decode")
     config = EngineConfig(args.max_batch_size, args.kv_blocks, args.block_size,
                           not args.no_prefix_caching, args.split_call_cost,
-                          None if args.tpot_target_ms is None else args.tpot_target_ms / 1000)
+                          None if args.tpot_target_ms is None else args.tpot_target_ms / 1000,
+                          None if args.itl_target_ms is None else args.itl_target_ms / 1000)
     engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
                           metrics)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))
@@ -80,6 +104,26 @@ def build(args):
     servicer = DecodeServicer(engine, puller, limits, fingerprint,
                               args.local_prefill_max_tokens, metrics)
     return servicer, engine, channels, metrics
+
+
+def _piece_sizes(args) -> tuple[int, ...] | None:
+    """The checked --piece-sizes, or their default (None: the chunk alone)."""
+    chunk = args.prefill_chunk_tokens
+    chunked = 0 < chunk < args.max_model_len
+    if args.piece_sizes is None:
+        return default_piece_sizes(chunk) if args.itl_target_ms and chunked else None
+    if not chunked:
+        raise SystemExit(f"--piece-sizes needs local prefill in pieces: --prefill-chunk-tokens "
+                         f"between 1 and --max-model-len - 1, got {chunk}")
+    try:
+        sizes = validate_buckets(args.piece_sizes, chunk, "--piece-sizes",
+                                 "--prefill-chunk-tokens")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if sizes[-1] != chunk:
+        raise SystemExit(f"--piece-sizes must end at --prefill-chunk-tokens ({chunk}), got "
+                         f"{sizes}")
+    return tuple(sizes)
 
 
 async def serve(args) -> None:

@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our decode workers hold a local prefill piece back while it would put "
                         "a running sequence over this time per output token (e.g. the "
                         "--slo-tpot value; default: off)")
+    g.add_argument("--decode-itl-target", type=float, default=None, metavar="SECONDS",
+                   help="our decode workers size each local prefill piece beside running "
+                        "sequences so that the step stays within this inter-token gap "
+                        "(default: off, every piece --prefill-chunk-tokens)")
     return parser
 
 
@@ -252,7 +256,8 @@ def _compare_settings(args):
                           local_prefill_queue_tokens=args.local_prefill_queue_tokens,
                           local_prefill_always_tokens=args.local_prefill_always_tokens,
                           prefill_chunk_tokens=args.prefill_chunk_tokens,
-                          decode_tpot_target_s=args.decode_tpot_target)
+                          decode_tpot_target_s=args.decode_tpot_target,
+                          decode_itl_target_s=args.decode_itl_target)
     if args.cpus:
         serve.cpus = [int(c) for c in args.cpus.split(",")]
     out_dir = args.out_dir or Path("results/goodput") / (

@@ -43,6 +43,7 @@ class ServeSettings:
     local_prefill_always_tokens: int = 0
     prefill_chunk_tokens: int | None = None  # ours: decode workers' --prefill-chunk-tokens
     decode_tpot_target_s: float | None = None  # ours: decode workers' --tpot-target-ms
+    decode_itl_target_s: float | None = None  # ours: decode workers' --itl-target-ms
     startup_timeout_s: float = 900.0
 
 
@@ -57,6 +58,8 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
         decode_args += ["--prefill-chunk-tokens", str(s.prefill_chunk_tokens)]
     if s.decode_tpot_target_s is not None:
         decode_args += ["--tpot-target-ms", f"{s.decode_tpot_target_s * 1000:g}"]
+    if s.decode_itl_target_s is not None:
+        decode_args += ["--itl-target-ms", f"{s.decode_itl_target_s * 1000:g}"]
     common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
                   compiled_root=s.compiled_root, quantize=s.quantize, decode_args=decode_args,
                   context_buckets=s.context_buckets,

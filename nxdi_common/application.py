@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from nxdi_common.application_base import NeuronApplicationBase
 from nxdi_common.models.base import GRAPH_INPUT_NAMES
 from nxdi_common.model_wrapper import (CHUNKED_PREFILL_MODEL_TAG, CONTEXT_ENCODING_MODEL_TAG,
-                                       MIXED_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG, ModelWrapper)
+                                       TOKEN_GENERATION_MODEL_TAG, ModelWrapper, mixed_model_tag)
 from nxdi_common.modules.sampling import SamplingRandomSource, sampling_params_from_config
 
 
@@ -46,11 +46,18 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                                                    TOKEN_GENERATION_MODEL_TAG, args)
         self.models = [self.context_encoding_model, self.token_generation_model]
         self.chunked_prefill_model = self.mixed_model = None
-        if self.neuron_config.prefill_chunk_size is not None:
+        # the mixed sub-models by chunk length (NeuronConfig.mixed_chunk_buckets); mixed_model
+        # is the one for prefill_chunk_size
+        self.mixed_models: dict[int, ModelWrapper] = {}
+        nc = self.neuron_config
+        if nc.prefill_chunk_size is not None:
             self.chunked_prefill_model = ModelWrapper(self.config, self._model_cls,
                                                       CHUNKED_PREFILL_MODEL_TAG, args)
-            self.mixed_model = ModelWrapper(self.config, self._model_cls, MIXED_MODEL_TAG, args)
-            self.models += [self.chunked_prefill_model, self.mixed_model]
+            self.mixed_models = {
+                c: ModelWrapper(self.config, self._model_cls, mixed_model_tag(c, nc), args, c)
+                for c in nc.mixed_chunk_buckets or [nc.prefill_chunk_size]}
+            self.mixed_model = self.mixed_models[nc.prefill_chunk_size]
+            self.models += [self.chunked_prefill_model, *self.mixed_models.values()]
         odsc = self.neuron_config.on_device_sampling_config
         self.random_source = SamplingRandomSource.from_config(odsc) if odsc else None
         self.kv_cache = None
@@ -220,8 +227,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         prefill_chunk_size, its earlier positions in the cache), `decode` a token-generation
         step of other sequences (input_ids [R, 1]); each dict holds the keyword arguments
         forward() takes (seq_ids, position_ids, sampling_params, slot_mapping, block_table,
-        rand). The weights are read once for both. Output rows: the chunk's last token, then
-        the R decode rows."""
+        rand). The weights are read once for both, by the mixed sub-model of the smallest chunk
+        length that holds S (NeuronConfig.mixed_chunk_buckets). Output rows: the chunk's last
+        token, then the R decode rows."""
         if self.kv_cache is None:
             raise RuntimeError("model is not loaded: call to_cpu(), or compile() then load()")
         if self.mixed_model is None:
@@ -254,7 +262,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         inputs = (tokens("input_ids"), tokens("attention_mask"), tokens("position_ids"),
                   rows("seq_ids"), rows("sampling_params"), rows("rand"), tokens("slot_mapping"),
                   rows("block_table"))
-        outputs = self.mixed_model(inputs, self.kv_cache, self.weights, self.scratch)
+        size = min(c for c in self.mixed_models if c >= c_pos.shape[1])
+        outputs = self.mixed_models[size](inputs, self.kv_cache, self.weights, self.scratch)
         self.next_positions.index_copy_(0, c_seq.long(), c_pos[:, -1] + 1)
         self.next_positions.index_copy_(0, d_seq.long(), d_pos[:, 0] + 1)
         self.kv_cache_populated = True

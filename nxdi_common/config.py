@@ -136,6 +136,11 @@ class NeuronConfig(ConfigBase):
     # prompt tokens of one sequence from any position, attending to its cached positions, so a
     # long prompt can be encoded in pieces between token-generation steps. None: no such model
     prefill_chunk_size: Optional[int] = None
+    # extension: the chunk lengths the mixed sub-model (a chunk and a decode step in one call)
+    # is built for, ascending, ending at prefill_chunk_size; a shorter piece pads to the
+    # smallest that holds it, so a small piece beside a running batch costs a small call.
+    # None: prefill_chunk_size only
+    mixed_chunk_buckets: Optional[List[int]] = None
     prefix_buckets: Optional[List[int]] = None
     # Quantization
     quantized: bool = False
@@ -287,6 +292,19 @@ class NeuronConfig(ConfigBase):
             if self.prefill_chunk_size > self.seq_len:
                 raise ValueError(f"prefill_chunk_size ({self.prefill_chunk_size}) must be at "
                                  f"most seq_len ({self.seq_len})")
+        self._validate_mixed_chunk_buckets()
+
+    def _validate_mixed_chunk_buckets(self) -> None:
+        sizes = self.mixed_chunk_buckets
+        if sizes is None:
+            return
+        if self.prefill_chunk_size is None:
+            raise ValueError("mixed_chunk_buckets needs prefill_chunk_size (the largest piece)")
+        check_buckets("mixed_chunk_buckets", sizes, self.prefill_chunk_size,
+                      "prefill_chunk_size")
+        if sizes[-1] != self.prefill_chunk_size:
+            raise ValueError(f"mixed_chunk_buckets must end at prefill_chunk_size "
+                             f"({self.prefill_chunk_size}), the largest piece; got {list(sizes)}")
 
     def _validate_buckets(self) -> None:
         for name in ("context_encoding_buckets", "token_generation_buckets", "prefix_buckets"):

@@ -14,8 +14,17 @@ TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
 # sequence from any position, over the cache like token generation
 CHUNKED_PREFILL_MODEL_TAG = "chunked_prefill_model"
 # extension: a chunk of one prompt and one token for each of a batch of decode rows in one call
-# (NeuronBaseModel.forward's `mixed`), bucketed by (decode rows, length) like token generation
+# (NeuronBaseModel.forward's `mixed`), bucketed by (decode rows, length) like token generation;
+# one such sub-model per chunk length (NeuronConfig.mixed_chunk_buckets), see mixed_model_tag
 MIXED_MODEL_TAG = "chunked_prefill_decode_model"
+
+
+def mixed_model_tag(chunk: int, neuron_config) -> str:
+    """The mixed sub-model's tag for chunks of `chunk` tokens: MIXED_MODEL_TAG for
+    prefill_chunk_size, else the tag with the length appended."""
+    if chunk == neuron_config.prefill_chunk_size:
+        return MIXED_MODEL_TAG
+    return f"{MIXED_MODEL_TAG}_{chunk}"
 
 
 def _pad(t: torch.Tensor, dim: int, size: int, value) -> torch.Tensor:
@@ -32,16 +41,20 @@ class ModelWrapper:
     """A sub-model compiled per (batch, length) bucket. `runnables` maps a bucket key to a callable
     taking (*graph_inputs, kv_cache, weights), installed by a backend."""
 
-    def __init__(self, config, model_cls, tag: str, compiler_args: str | None = None):
+    def __init__(self, config, model_cls, tag: str, compiler_args: str | None = None,
+                 chunk: int | None = None):
+        """chunk: a mixed sub-model's chunk length (default prefill_chunk_size)."""
         self.config, self.neuron_config = config, config.neuron_config
         self.model_cls, self.tag, self.compiler_args = model_cls, tag, compiler_args
         self.is_context = tag == CONTEXT_ENCODING_MODEL_TAG
         self.is_chunk = tag == CHUNKED_PREFILL_MODEL_TAG
-        self.is_mixed = tag == MIXED_MODEL_TAG
+        self.is_mixed = tag.startswith(MIXED_MODEL_TAG)
         nc = self.neuron_config
         # tokens per row of a call: the length bucket for context encoding, else static (for a
         # mixed call, the chunk's; its decode rows have one each)
-        self.queries = nc.prefill_chunk_size if self.is_chunk or self.is_mixed else 1
+        self.queries = 1
+        if self.is_chunk or self.is_mixed:
+            self.queries = chunk if self.is_mixed and chunk else nc.prefill_chunk_size
         if self.is_context:
             self.length_buckets = bucketing.context_encoding_buckets(nc)
             self.batch_buckets = self._context_batch_buckets(nc)

@@ -141,6 +141,12 @@ def test_bad_chunks_are_refused(tiny_llama_ckpt):
      "prefill_chunk_size needs is_block_kv_layout=True"),
     (dict(prefill_chunk_size=0), "prefill_chunk_size must be an integer >= 1"),
     (dict(prefill_chunk_size=65), r"prefill_chunk_size \(65\) must be at most seq_len \(64\)"),
+    (dict(prefill_chunk_size=None, mixed_chunk_buckets=[4, 8]),
+     r"mixed_chunk_buckets needs prefill_chunk_size"),
+    (dict(mixed_chunk_buckets=[2, 4]),
+     r"mixed_chunk_buckets must end at prefill_chunk_size \(8\), the largest piece; got \[2, 4\]"),
+    (dict(mixed_chunk_buckets=[4, 2, 8]), "mixed_chunk_buckets must be strictly increasing"),
+    (dict(mixed_chunk_buckets=[4, 16]), r"mixed_chunk_buckets has bucket 16 > prefill_chunk_size"),
 ])
 def test_bad_configs_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -292,6 +298,34 @@ def test_compiled_mixed_calls_equal_eager_and_pad_the_decode_batch(tiny_llama_ck
     assert out.shape[0] == 4
     assert (out[1:3] - alone).abs().max() < 1e-5
     assert (out[3] - alone[0]).abs().max() < 1e-5
+
+
+def test_a_short_piece_runs_in_the_smallest_mixed_chunk_that_holds_it(tiny_llama_ckpt, tmp_path,
+                                                                     compile_cache_dir):
+    """mixed_chunk_buckets [4, 8]: one compiled mixed sub-model per chunk length, each with every
+    (decode rows, length) bucket; a piece of 3 or 4 tokens runs in the 4-token one, 5 in the
+    8-token one, each with the logits and cache of the chunk and the step apart."""
+    config = chunk_config(batch_size=4, mixed_chunk_buckets=[4, CHUNK])
+    model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=config)
+    model.compile(tmp_path / "model")
+    model.load(tmp_path / "model")
+    artifacts = json.loads((tmp_path / "model" / MANIFEST).read_text())["artifacts"]
+    buckets = ["1x32", "1x64", "2x32", "2x64", "4x32", "4x64"]
+    assert sorted(artifacts[MIXED_MODEL_TAG]) == sorted(artifacts[MIXED_MODEL_TAG + "_4"]) == buckets
+    assert (model.mixed_models[4].queries, model.mixed_model.queries) == (4, CHUNK)
+    used = []
+    for size, wrapper in model.mixed_models.items():
+        def counted(run, size=size):
+            return lambda *args: (used.append(size), run(*args))[1]
+        wrapper.runnables = {key: counted(run) for key, run in wrapper.runnables.items()}
+    live = [b for b in range(config.pa_num_blocks) if b != model.scratch[1]]
+    for n, size in ((27, 4), (28, 4), (29, CHUNK)):
+        (apart, apart_cache), (mixed, cache), _ = mixed_vs_apart(model, n, 24)
+        assert used[-1] == size
+        assert (mixed[0] - apart[0]).abs().max() < 1e-5
+        assert (mixed[1] - apart[1]).abs().max() < 1e-5
+        # (padding writes to the scratch block, as many as each call pads)
+        assert (cache[:, :, live] - apart_cache[:, :, live]).abs().max() < 1e-6
 
 
 def test_bf16_mixed_calls_run_both_kernels(wide_heads_ckpt, tmp_path, compile_cache_dir):

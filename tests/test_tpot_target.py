@@ -45,6 +45,14 @@ def forget(engine, *seqs) -> None:
     engine._local.clear()
 
 
+def piece_now(engine) -> bool:
+    return engine._piece_now(engine._plan_piece())
+
+
+def local_piece(engine) -> bool:
+    return engine._local_piece(engine._plan_piece())
+
+
 def deferred(engine) -> float:
     return engine.metrics.value("nxdi_deferred_pieces_total")
 
@@ -61,15 +69,15 @@ def test_a_piece_waits_while_it_would_push_a_running_sequence_over_the_target(en
     try:
         before = deferred(engine)
         engine.piece_s_per_token = 0.9 / CHUNK
-        assert not engine._piece_now()
+        assert not piece_now(engine)
         assert deferred(engine) == before + 1
         engine.scheduler.next_batch()  # now running, no longer waiting
-        assert not engine._piece_now()
+        assert not piece_now(engine)
         engine.piece_s_per_token = 0.7 / CHUNK
-        assert engine._piece_now()
+        assert piece_now(engine)
         assert deferred(engine) == before + 2
         engine.piece_s_per_token = None  # nothing measured yet: the piece runs
-        assert engine._piece_now()
+        assert piece_now(engine)
     finally:
         forget(engine, run, prompt)
 
@@ -87,9 +95,9 @@ def test_a_step_time_older_than_a_second_is_measured_again_first(engine):
     engine.step_measured_ns = time.monotonic_ns() - int((STEP_REMEASURE_S + 0.5) * 1e9)
     try:
         before = deferred(engine)
-        assert not engine._piece_now()
+        assert not piece_now(engine)
         engine._decode_calls()  # measures the step
-        assert engine._piece_now()
+        assert piece_now(engine)
         assert deferred(engine) == before
     finally:
         forget(engine, run, prompt)
@@ -102,7 +110,7 @@ def test_without_a_target_every_step_takes_a_piece(tiny_chat_model):
     plain._local.append(plain.admit(DecodeJob("prompt", tuple(range(100, 200))), 4,
                                     lambda event: None))
     plain.step_s, plain.piece_s_per_token = 0.02, 10.0
-    assert plain._piece_now()
+    assert piece_now(plain)
 
 
 def test_the_engine_measures_steps_and_pieces(engine):
@@ -115,7 +123,7 @@ def test_the_engine_measures_steps_and_pieces(engine):
         engine._decode_calls()
         assert engine.step_s is not None and engine.step_s > 0
         engine._local.append(prompt)
-        assert engine._piece_now() and engine._local_piece()  # the step rode in the piece
+        assert piece_now(engine) and local_piece(engine)  # the step rode in the piece
         assert engine.piece_s_per_token is not None and engine.piece_s_per_token >= 0
         assert prompt.prefilled == CHUNK and len(run.generated) == 3
     finally:
@@ -157,12 +165,12 @@ def test_load_reports_the_local_prefill_tokens_left_and_the_rate_they_go_at(engi
         engine._apply_commands(block=False)
         assert engine.load()["local_prompt_tokens"] == 50
         assert engine.load()["prefill_tokens_per_s"] == 0.0  # nothing measured yet
-        assert engine._local_piece() is False  # no running batch: a call of its own
+        assert local_piece(engine) is False  # no running batch: a call of its own
         first = engine.load()
         assert first["local_prompt_tokens"] == 50 - CHUNK
         assert 0 < CHUNK / first["prefill_tokens_per_s"] <= time.perf_counter() - t0
         time.sleep(0.3)  # a piece held back (as the TPOT target does): the rate falls
-        engine._local_piece()
+        local_piece(engine)
         second = engine.load()
         assert second["local_prompt_tokens"] == 50 - 2 * CHUNK
         engine._update_gauges()
@@ -172,7 +180,7 @@ def test_load_reports_the_local_prefill_tokens_left_and_the_rate_they_go_at(engi
         assert second["prefill_tokens_per_s"] < first["prefill_tokens_per_s"]
         assert CHUNK / second["prefill_tokens_per_s"] > 0.25 * 0.3  # the average's weight
         while engine._local:
-            engine._local_piece()
+            local_piece(engine)
         assert engine.load()["local_prompt_tokens"] == 0 and prompt in engine.scheduler.ready
         msg = worker_load("d:1", kv_transfer.ModelFingerprint("m", 1, 1, 8, "float32", "none",
                                                               "x"), second, 4, 16, 0)
@@ -180,3 +188,112 @@ def test_load_reports_the_local_prefill_tokens_left_and_the_rate_they_go_at(engi
             50 - 2 * CHUNK, pytest.approx(second["prefill_tokens_per_s"]))
     finally:
         forget(engine, prompt, dropped)
+
+
+# ---- the ITL target: pieces sized for the running batch's step -------------------------------
+
+@pytest.fixture(scope="module")
+def itl_engine(tiny_chat_model):
+    return build(tiny_chat_model, "--itl-target-ms", "50", "--piece-sizes", "4,8,16")
+
+
+def test_pieces_beside_a_running_batch_are_sized_to_the_itl_target(itl_engine):
+    """The largest piece length whose cost (measured seconds per token) fits in the target
+    beside the measured step; the smallest when none fits or nothing is measured; a full chunk
+    with nothing running."""
+    engine = itl_engine
+    assert engine.sizes == [4, 8, 16] and sorted(engine.model.mixed_models) == [4, 8, 16]
+    prompt = engine.admit(DecodeJob("sized", tuple(range(100, 200))), 4, lambda event: None)
+    engine._local.append(prompt)
+    try:
+        engine.step_s = engine.piece_s_per_token = None
+        assert engine._piece_size() == CHUNK  # nothing running: nothing to stall
+        run = running_sequence(engine, "run", tokens=1, max_tokens=50, first_token_ago_s=0.0)
+        assert engine._piece_size() == 4  # nothing measured yet
+        engine.step_s = 0.02
+        engine.piece_s_per_token = 0.002  # 4 -> 8 ms, 8 -> 16 ms, 16 -> 32 ms beside 20 ms
+        assert engine._piece_size() == 8
+        engine.piece_s_per_token = 0.001
+        assert engine._piece_size() == 16
+        assert engine._plan_piece() == (prompt, 0, 16)
+        engine.step_s = 0.1  # nothing fits: the smallest, so the prompt still advances
+        assert engine._piece_size() == 4
+        assert engine._plan_piece() == (prompt, 0, 4)
+        prompt.prefilled = 98  # the last 2 tokens pad to 4, and cost as 4
+        assert engine._plan_piece() == (prompt, 98, 100)
+        assert engine._piece_cost(2) == pytest.approx(4 * 0.001)
+    finally:
+        forget(engine, run, prompt)
+
+
+def test_the_seconds_per_token_weigh_pieces_by_their_tokens(itl_engine):
+    """A ratio of decayed sums: short pieces' noise (a step less the average step, negative at
+    times) averages out instead of each sample being clipped; a long piece outweighs them."""
+    from decode_service.engine import PIECE_COST_DECAY
+    engine = itl_engine
+    engine.piece_s_per_token, engine._piece_sums = None, (0.0, 0.0)
+    engine._measured_piece(0.016, 16)
+    assert engine.piece_s_per_token == pytest.approx(0.001)
+    engine._measured_piece(-0.004, 4)  # noise: the step ran faster than the average
+    expected = (PIECE_COST_DECAY * 0.016 - 0.004) / (PIECE_COST_DECAY * 16 + 4)
+    assert engine.piece_s_per_token == pytest.approx(expected)
+    engine._measured_piece(-1.0, 4)  # never below zero
+    assert engine.piece_s_per_token == 0.0
+    engine._piece_sums = (0.0, 0.0)
+
+
+def test_a_sized_piece_runs_beside_the_batch_and_its_cost_is_measured(itl_engine):
+    """Real calls of the tiny model: with a step measured and no piece cost yet, the piece is
+    the smallest (4 tokens, from position 0: a mixed call, the step rides in it); what it
+    added to the step is measured, and the prompt advances by 4."""
+    engine = itl_engine
+    engine.step_s = engine.piece_s_per_token = None
+    engine._piece_sums = (0.0, 0.0)
+    run = running_sequence(engine, "measured", tokens=1, max_tokens=50, first_token_ago_s=0.0)
+    prompt = engine.admit(DecodeJob("piece", tuple(range(300, 340))), 4, lambda event: None)
+    try:
+        engine._decode_calls()
+        engine._local.append(prompt)
+        piece = engine._plan_piece()
+        assert piece == (prompt, 0, 4)
+        assert engine._piece_now(piece) and engine._local_piece(piece)
+        assert prompt.prefilled == 4 and len(run.generated) == 3
+        assert engine.piece_s_per_token is not None
+        assert engine.metrics.value("nxdi_mixed_steps_total") >= 1
+    finally:
+        forget(engine, run, prompt)
+
+
+def test_piece_sizes_default_with_the_itl_target_and_bad_ones_are_refused(tiny_chat_model):
+    assert main.default_piece_sizes(256) == (16, 32, 64, 128, 256)
+    assert main.default_piece_sizes(100) == (16, 32, 64, 100)
+    assert main.default_piece_sizes(16) == (16,)
+    args = main.parse_args(["--model", "m", "--prefill-chunk-tokens", "256",
+                            "--itl-target-ms", "30"])
+    assert main._piece_sizes(args) == (16, 32, 64, 128, 256)
+    assert main._piece_sizes(main.parse_args(["--model", "m"])) is None  # no target: the chunk
+    for extra, message in (
+            (["--itl-target-ms", "0"], "--itl-target-ms must be > 0 milliseconds, got 0.0"),
+            (["--piece-sizes", "4,8"], r"--piece-sizes must end at --prefill-chunk-tokens "
+                                       r"\(16\), got \[4, 8\]"),
+            (["--piece-sizes", "8,4,16"], "--piece-sizes must be strictly increasing"),
+            (["--piece-sizes", "4,32"], "--piece-sizes has bucket 32 larger than "
+                                        "--prefill-chunk-tokens 16")):
+        with pytest.raises(SystemExit, match=message):
+            build(tiny_chat_model, *extra)
+    with pytest.raises(SystemExit, match="--piece-sizes needs local prefill in pieces"):
+        main.build(main.parse_args(["--model", str(tiny_chat_model), "--max-model-len", "256",
+                                    "--prefill-chunk-tokens", "0", "--piece-sizes", "4"]))
+    with pytest.raises(ValueError, match="itl_target_s must be > 0 seconds, got 0"):
+        EngineConfig(itl_target_s=0)
+
+
+def test_the_benchmark_passes_the_itl_target_to_our_decode_workers():
+    from nxdi_bench import cli
+    from nxdi_bench.configs import ServeSettings, our_launch_spec
+    args = cli.build_parser().parse_args(["compare", "--decode-itl-target", "0.03"])
+    assert args.decode_itl_target == 0.03
+    serve = ServeSettings(decode_itl_target_s=0.03)
+    for name in ("disaggregated", "aggregated"):
+        assert our_launch_spec(name, serve).decode_args[-2:] == ["--itl-target-ms", "30"]
+        assert "--itl-target-ms" not in our_launch_spec(name, ServeSettings()).decode_args

@@ -129,13 +129,17 @@ def prefill_neuron_config(opts: ModelOptions, max_batch_size: int, ctx_batch_siz
 
 
 def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: int,
-                         block_size: int, prefill_chunk_tokens: int = 0):
+                         block_size: int, prefill_chunk_tokens: int = 0,
+                         piece_sizes: tuple[int, ...] | None = None):
     """Block KV cache of num_blocks blocks; TKG batch buckets up to max_batch_size; CTE (local
     prefill) one prompt at a time, in pieces of prefill_chunk_tokens (0: whole; no pieces either
-    when a piece would hold any prompt the model takes)."""
+    when a piece would hold any prompt the model takes), beside a running batch in pieces of
+    any of piece_sizes (the mixed sub-model's chunk lengths; None: the chunk alone)."""
     kwargs = {}
     if 0 < prefill_chunk_tokens < opts.max_model_len:
         kwargs["prefill_chunk_size"] = prefill_chunk_tokens
+        if piece_sizes:
+            kwargs["mixed_chunk_buckets"] = list(piece_sizes)
     if opts.attention_kernel != "sdpa":
         from nxdi_common.kernels import kernels_unavailable_reason
         if kernels_unavailable_reason() is None:
