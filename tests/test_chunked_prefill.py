@@ -15,6 +15,7 @@ from nxdi_common.application_base import MANIFEST
 from nxdi_common.config import NeuronConfig
 from nxdi_common.model_wrapper import CHUNKED_PREFILL_MODEL_TAG, MIXED_MODEL_TAG
 from nxdi_common.models.llama.modeling_llama import NeuronLlamaForCausalLM
+from nxdi_common.modules import attention
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -165,16 +166,26 @@ def wide_heads_ckpt(tmp_path_factory):
     return path
 
 
+# Which kernel a chunk's attention runs on: the paged one up to PAGED_CHUNK_MAX_TOKENS (the
+# default, 64, holds these chunks of 8), else chunk_attention over the gathered cache.
+CHUNK_KERNELS = {64: "nxdi::paged_decode_attention", 4: "nxdi::chunk_attention"}
+
+
+@pytest.mark.parametrize("paged_max", sorted(CHUNK_KERNELS))
 def test_bf16_chunks_run_the_chunk_kernel_and_match_one_pass(wide_heads_ckpt, tmp_path,
-                                                             compile_cache_dir):
-    """bfloat16 with the fused ops: the compiled chunk graph calls nxdi::chunk_attention, and
-    the pieces give one context-encoding pass's logits to bfloat16 rounding, and its argmax."""
+                                                             compile_cache_dir, monkeypatch,
+                                                             paged_max):
+    """bfloat16 with the fused ops: the compiled chunk graph calls the paged kernel for a short
+    chunk and nxdi::chunk_attention for a long one, and either way the pieces give one
+    context-encoding pass's logits to bfloat16 rounding, and its argmax."""
+    monkeypatch.setattr(attention, "PAGED_CHUNK_MAX_TOKENS", paged_max)
     config = dict(torch_dtype=torch.bfloat16, cpu_fused_ops="fused")
     model = NeuronLlamaForCausalLM(wide_heads_ckpt, neuron_config=chunk_config(**config))
     model.compile(tmp_path / "model")
     model.load(tmp_path / "model")
     graph = str(next(iter(model.chunked_prefill_model.runnables.values())).inlined_graph)
-    assert "nxdi::chunk_attention" in graph
+    assert [op in graph for op in CHUNK_KERNELS.values()] == [
+        op == CHUNK_KERNELS[paged_max] for op in CHUNK_KERNELS.values()]
     for n, first in ((29, 8), (61, 32)):
         ids = prompt(n)
         model.reset_kv_cache()
@@ -328,16 +339,21 @@ def test_a_short_piece_runs_in_the_smallest_mixed_chunk_that_holds_it(tiny_llama
         assert (cache[:, :, live] - apart_cache[:, :, live]).abs().max() < 1e-6
 
 
-def test_bf16_mixed_calls_run_both_kernels(wide_heads_ckpt, tmp_path, compile_cache_dir):
+@pytest.mark.parametrize("paged_max", sorted(CHUNK_KERNELS))
+def test_bf16_mixed_calls_run_both_kernels(wide_heads_ckpt, tmp_path, compile_cache_dir,
+                                           monkeypatch, paged_max):
     """As the decode worker runs it (bfloat16, fused ops, paged kernel, compiled): the graph calls
-    chunk_attention and paged_decode_attention, and matches the two calls apart."""
+    paged_decode_attention for the decode rows and, for the chunk, the kernel its length
+    chooses, and matches the two calls apart."""
+    monkeypatch.setattr(attention, "PAGED_CHUNK_MAX_TOKENS", paged_max)
     config = dict(torch_dtype=torch.bfloat16, cpu_fused_ops="fused")
     model = NeuronLlamaForCausalLM(wide_heads_ckpt,
                                    neuron_config=chunk_config(batch_size=4, **config))
     model.compile(tmp_path / "model")
     model.load(tmp_path / "model")
     graph = str(next(iter(model.mixed_model.runnables.values())).inlined_graph)
-    assert "nxdi::chunk_attention" in graph and "nxdi::paged_decode_attention" in graph
+    assert "nxdi::paged_decode_attention" in graph
+    assert ("nxdi::chunk_attention" in graph) == (paged_max < CHUNK)
     (apart, apart_cache), (mixed, mixed_cache), _ = mixed_vs_apart(model, 40, 32)
     for got, want in zip(mixed, apart):
         assert torch.equal(got.argmax(-1), want.argmax(-1))

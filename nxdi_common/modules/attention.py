@@ -13,6 +13,15 @@ from nxdi_common.modules.linear import Linear
 from nxdi_common.modules.norm import RMSNorm
 from nxdi_common.modules.rope import apply_rope
 
+# A prompt chunk of at most this many tokens attends through the paged kernel (its blocks read in
+# place); a longer one gathers the cache up to the length bucket and runs chunk_attention (K and
+# V packed once for all its queries). Bundled model shapes, bf16, one core of the Zen 4 VM, 30
+# layers at prefix 256 / 1024 / 1792: 16 tokens 3.3 / 11 / 20 ms paged against 28 / 60 / 96 ms
+# gathered (the gather of a 2048-position bucket is most of it), 64 tokens 12 / 43 / 71 against
+# 25 / 56 / 96, 128 tokens 27 / 102 / 192 against 35 / 87 / 140, 256 tokens 86 / 267 / 459 against
+# 67 / 170 / 269.
+PAGED_CHUNK_MAX_TOKENS = 64
+
 
 class GQA(enum.Enum):
     """How KV heads are laid out across tensor-parallel ranks (feature guide, "GQA support")."""
@@ -146,9 +155,10 @@ class NeuronAttention(nn.Module):
     def _attend(self, q, k, v, mask, cache, layer: int, kv_mgr, index, kv_len: int | None):
         """Attention of q [B, H, S, D] after this call's keys are in the cache: [B, S, H, D]. k and
         v are this call's own keys (context encoding only, kv_len None)."""
-        if kv_len is not None and q.shape[2] > 1 and self.fused is not None:
-            # a chunk of a prompt: its queries over the cache gathered up to the length bucket;
-            # the kernel reads keys only up to the chunk's last position
+        paged_chunk = q.shape[2] <= PAGED_CHUNK_MAX_TOKENS and kv_mgr.paged_attention is not None
+        if kv_len is not None and q.shape[2] > 1 and self.fused is not None and not paged_chunk:
+            # a long chunk of a prompt: its queries over the cache gathered up to the length
+            # bucket; the kernel reads keys only up to the chunk's last position
             k, v = kv_mgr.read(cache, layer, index, kv_len)
             return self.fused.chunk_attention(q, k, v, index[1], self.head_dim ** -0.5)
         if kv_len is not None and kv_mgr.paged_attention is not None:
