@@ -236,18 +236,33 @@ def test_compiled_paged_graphs_load_in_a_fresh_process(tiny_llama_ckpt, tmp_path
 
 
 @pytest.mark.parametrize("dim", [24, 64])  # portable and AVX-512 conversions
-def test_every_float8_value_reads_exactly(op, dim):
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])  # bf16: the dot products
+def test_every_float8_value_reads_exactly(op, dim, q_dtype):
     """All 256 float8_e4m3fn codes (subnormals, zeros, the largest 448, NaN) come out of an fp8
     cache as torch's own float conversion gives them: with one cached position the output is
-    that position's V row."""
+    that position's V row (each code is a bf16 value too)."""
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     rows = -(-256 // dim)
     v = torch.zeros(rows + 1, 1, 1, dim, dtype=torch.uint8)
     v.view(-1)[:256] = codes.view(torch.uint8)
     v = v.view(torch.float8_e4m3fn)
     k = torch.zeros_like(v)
-    q = torch.zeros(rows, 1, 1, dim)
+    q = torch.zeros(rows, 1, 1, dim, dtype=q_dtype)
     out = op(q, k, v, torch.arange(rows).view(rows, 1), torch.zeros(rows, 1, dtype=torch.long), 1.0)
-    got, want = out.reshape(-1)[:256], codes.float()
+    got, want = out.float().reshape(-1)[:256], codes.float()
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert torch.equal(got[~torch.isnan(want)], want[~torch.isnan(want)])  # -0 sums to +0
+
+
+def test_a_float8_cache_takes_the_bf16_path(op):
+    """With a bf16 query a float8 cache is made bf16 as it is read (exactly, scaled by a power of
+    two that the scores and the output take back), so its output equals, bit for bit, the
+    output over the same cache cast to bf16, on the bf16 dot products where the CPU has them
+    (head sizes 64 and 128; where it does not, both widen to float32 alike). Widening float8
+    to float32 instead (float32 products and probabilities) would not be equal."""
+    for dim in (64, 128, 48):
+        q, k, v, table, pos = case(5, torch.bfloat16, torch.float8_e4m3fn, heads=9, kv_heads=3,
+                                   dim=dim, block_size=16, width=4, positions=(0, 17, 40, 63))
+        out = op(q, k, v, table, pos, dim ** -0.5)
+        cast = op(q, k.to(torch.bfloat16), v.to(torch.bfloat16), table, pos, dim ** -0.5)
+        assert torch.equal(out, cast), dim

@@ -48,6 +48,7 @@ struct FloatTiles {
   using Prob = float;
   using Elem = float;
   static constexpr bool kProbsInPlace = true;
+  static constexpr float kKvScale = 1.f;  // the cache's values are the tiles' times this
   template <typename T> void widen_k(const T* src, int64_t stride, int64_t count, float* dst) const {
     static_cast<const Self*>(this)->widen(src, stride, count, dst);
   }
@@ -199,24 +200,47 @@ struct Avx512Ops : FloatTiles<Avx512Ops<NV>> {
 #endif
 
 #if defined(__AVX512BF16__)
-// bf16 queries and cache where the CPU has AVX512-BF16 (AMD Zen 4), head_dim = 32 * NZ: the
-// products on vdpbf16ps (two bf16 products summed into a float32 lane) straight from the cache's
-// rows, instead of widening every row to float32 and multiplying there. Scores: a query row's
-// bf16 pairs against a key row's (exact products, float32 sums). Values: two positions' rows
-// interleaved (unpack{lo,hi}_epi16, so lane pairs are (v[t][d], v[t+1][d])) against the pair of
-// their probabilities, which are rounded to bf16 for it; the accumulator's lanes then hold the
-// dims in unpack order, put back in store(). Subnormal inputs are flushed to zero (vdpbf16ps'
-// DAZ), the one visible difference from the float32 path (tests tell the paths apart by it).
-template <int NZ>
+// 32 float8_e4m3fn values as the bf16 of each value times 2^-8, exactly: each byte (sign, 4
+// exponent bits biased by 7, 3 mantissa bits) moved into an fp16's sign, exponent and mantissa
+// reads as 2^-8 times its value, normals and subnormals alike (fp16's bias is 15); widened to
+// float32 and rounded to bf16, which holds 3 mantissa bits exactly. The NaN codes (magnitude
+// 0x7F) become fp16 NaN. AVX512-BW for the byte and word moves (every AVX512-BF16 CPU has it).
+inline __m512i fp8x32_as_bf16_over_256(const c10::Float8_e4m3fn* p) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7),
+                               _mm512_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  const __mmask32 nan = _mm256_cmpeq_epi8_mask(
+      _mm256_and_si256(bytes, _mm256_set1_epi8(0x7F)), _mm256_set1_epi8(0x7F));
+  h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7E00));
+  const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// bf16 queries where the CPU has AVX512-BF16 (AMD Zen 4), head_dim = 32 * NZ, on a bf16 cache
+// or (KV = float8_e4m3fn) a float8 one: the products on vdpbf16ps (two bf16 products summed
+// into a float32 lane) straight from the cache's rows, instead of widening every row to float32
+// and multiplying there. Scores: a query row's bf16 pairs against a key row's (exact products,
+// float32 sums). Values: two positions' rows interleaved (unpack{lo,hi}_epi16, so lane pairs
+// are (v[t][d], v[t+1][d])) against the pair of their probabilities, which are rounded to bf16
+// for it; the accumulator's lanes then hold the dims in unpack order, put back in store().
+// Subnormal inputs are flushed to zero (vdpbf16ps' DAZ), the one visible difference from the
+// float32 path (tests tell the paths apart by it). A float8 row is made bf16 as it is loaded
+// (its values times 2^-8, kKvScale: exact, and clear of bf16's subnormals), which costs a few
+// instructions per 32 values where widening to float32 cost ~10 per 16 and then float32 FMAs.
+template <int NZ, typename KV = c10::BFloat16>
 struct Bf16DotOps {
   using BF16 = c10::BFloat16;
   using Prob = BF16;
   using Elem = BF16;
   static constexpr bool kProbsInPlace = false;
+  static constexpr bool kFloat8 = std::is_same_v<KV, c10::Float8_e4m3fn>;
+  static constexpr float kKvScale = kFloat8 ? 256.f : 1.f;
   struct alignas(64) Query { __m512i v[NZ]; };
   // [2z]: unpacklo's dims of 32z.. (see store), [2z + 1]: unpackhi's.
   struct alignas(64) Acc { __m512 v[2 * NZ]; };
   static __m512i row(const BF16* p) { return _mm512_loadu_si512(p); }
+  static __m512i row(const c10::Float8_e4m3fn* p) { return fp8x32_as_bf16_over_256(p); }
   static __m512bh tile_pair(const BF16* tile, int64_t i) {  // the tile's i-th 32 values
     return (__m512bh)_mm512_load_si512(tile + i * 32);
   }
@@ -224,17 +248,17 @@ struct Bf16DotOps {
     for (int z = 0; z < NZ; ++z) r.v[z] = row(src + 32 * z);
   }
   void zero(Acc& a) const { for (int j = 0; j < 2 * NZ; ++j) a.v[j] = _mm512_setzero_ps(); }
-  // K rows as they are, d apart.
-  void widen_k(const BF16* src, int64_t stride, int64_t count, BF16* dst) const {
+  // K rows as they are (float8: as bf16), d apart.
+  void widen_k(const KV* src, int64_t stride, int64_t count, BF16* dst) const {
     for (int64_t o = 0; o < count; ++o)
       for (int z = 0; z < NZ; ++z)
         _mm512_store_si512(dst + (o * NZ + z) * 32, row(src + o * stride + 32 * z));
   }
   // V rows 2i and 2i + 1 interleaved: pair i's 2 * NZ vectors (a zero row after an odd count's
   // last).
-  void widen_v(const BF16* src, int64_t stride, int64_t count, BF16* dst) const {
+  void widen_v(const KV* src, int64_t stride, int64_t count, BF16* dst) const {
     for (int64_t i = 0; 2 * i < count; ++i) {
-      const BF16* r0 = src + 2 * i * stride;
+      const KV* r0 = src + 2 * i * stride;
       const bool pair = 2 * i + 1 < count;
       for (int z = 0; z < NZ; ++z) {
         const __m512i a = row(r0 + 32 * z);
@@ -390,9 +414,10 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   };
   auto widen_k = [&](auto... a) { ops.widen_k(a...); };
   auto widen_v = [&](auto... a) { ops.widen_v(a...); };
+  const float tile_scale = scale * Ops::kKvScale;  // scores of tiles that hold K / kKvScale
   for_each_tile(kc, widen_k, [&](int64_t hk, int64_t pos, int64_t m) {
     for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
-      ops.scores_tile(tile_p, m, qv[qi], scale, scores + qi * n + pos);
+      ops.scores_tile(tile_p, m, qv[qi], tile_scale, scores + qi * n + pos);
   });
   std::vector<float> inv_sum(nq);
   for (int64_t qi = 0; qi < nq; ++qi)
@@ -407,7 +432,8 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   for (int64_t qi = 0; qi < nq; ++qi) {
     ops.store(acc[qi], tmp.data());
     q_t* dst = out + (first_row + qi) * d;
-    for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<q_t>(tmp[j] * inv_sum[qi]);
+    const float out_scale = inv_sum[qi] * Ops::kKvScale;  // (exact: a power of two)
+    for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<q_t>(tmp[j] * out_scale);
   }
 }
 
@@ -496,12 +522,14 @@ struct Avx2Ops : FloatTiles<Avx2Ops<NV>> {
 template <typename q_t, typename kv_t, typename... Args>
 void attend_heads_any(const Shapes& s, const q_t* q, const kv_t* k, const kv_t* v, Args... args) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {
+  if constexpr (std::is_same_v<q_t, c10::BFloat16> &&
+                (std::is_same_v<kv_t, c10::BFloat16> ||
+                 std::is_same_v<kv_t, c10::Float8_e4m3fn>)) {
     switch (s.dim) {
-      case 32: return attend_heads(Bf16DotOps<1>{}, s, q, k, v, args...);
-      case 64: return attend_heads(Bf16DotOps<2>{}, s, q, k, v, args...);
-      case 96: return attend_heads(Bf16DotOps<3>{}, s, q, k, v, args...);
-      case 128: return attend_heads(Bf16DotOps<4>{}, s, q, k, v, args...);
+      case 32: return attend_heads(Bf16DotOps<1, kv_t>{}, s, q, k, v, args...);
+      case 64: return attend_heads(Bf16DotOps<2, kv_t>{}, s, q, k, v, args...);
+      case 96: return attend_heads(Bf16DotOps<3, kv_t>{}, s, q, k, v, args...);
+      case 128: return attend_heads(Bf16DotOps<4, kv_t>{}, s, q, k, v, args...);
       default: break;
     }
   }
