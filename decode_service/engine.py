@@ -42,7 +42,12 @@ smallest when none fits, so a local prefill always advances. A fixed 256-token p
 every running stream for ~0.35 s on one core of the Zen 4 VM (p99 ITL 0.4-0.5 s at 1 req/s,
 BENCHMARKS.md session 20) where a step alone takes ~20 ms: the target trades local prefill
 throughput (a piece shares each step with the batch) for even token gaps. With no running batch a
-piece is a full prefill_chunk_size: there is no stream to stall.
+piece is a full prefill_chunk_size: there is no stream to stall. With a TTFT target as well
+(``EngineConfig.ttft_target_s``, --ttft-target-ms) a piece is made larger where the waiting local
+prefills need it: the smallest length from the ITL-sized one up whose rate (its tokens per step
+with it) would finish every waiting prompt, in the order they run, within the target of its
+arrival; the largest when none would. Without it, at 0.5 req/s on `mixed` long local prompts
+missed a 4 s TTFT in 16-token pieces while the running streams' TPOT had 70% to spare.
 
 Blocks are reserved at admission for prompt + max_tokens, so a running sequence never runs out of
 KV room and nothing is ever preempted. Every sequence's blocks are freed exactly once, when it
@@ -89,9 +94,12 @@ class EngineConfig:
     # The inter-token gap a piece sized for the running batch keeps its step within (module
     # doc); None: every piece is prefill_chunk_size tokens.
     itl_target_s: float | None = None
+    # The time to first token the ITL-sized pieces must not make a waiting local prefill miss
+    # (module doc); None: pieces are sized by the ITL target alone.
+    ttft_target_s: float | None = None
 
     def __post_init__(self):
-        for name in ("tpot_target_s", "itl_target_s"):
+        for name in ("tpot_target_s", "itl_target_s", "ttft_target_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
@@ -250,7 +258,27 @@ class DecodeEngine:
             return self.sizes[0]
         fits = [c for c in self.sizes
                 if (cost := self._piece_cost(c)) is not None and self.step_s + cost <= target]
-        return fits[-1] if fits else self.sizes[0]
+        return self._deadline_size(fits[-1] if fits else self.sizes[0])
+
+    def _deadline_size(self, size: int) -> int:
+        """The smallest piece length from `size` up at which every waiting local prefill, in the
+        order they run, would finish within the TTFT target of its arrival (module doc); the
+        largest when none would. Prompts already past the target add their tokens, nothing
+        more."""
+        target = self.config.ttft_target_s
+        per_token = self.piece_s_per_token
+        if target is None or self.step_s is None or per_token is None:
+            return size
+        now, tokens, need = time.monotonic_ns(), 0, 0.0  # need: prompt tokens per second
+        for seq in self._local_order():
+            tokens += self._prefill_left(seq)
+            left_s = target - (now - seq.arrival_ns) / 1e9
+            if left_s > 0:
+                need = max(need, tokens / left_s)
+        for c in self.sizes:
+            if c >= size and c / (self.step_s + c * per_token) >= need:
+                return c
+        return self.sizes[-1]
 
     def _piece_cost(self, tokens: int) -> float | None:
         """Seconds a piece of `tokens` adds to the running batch's step: the measured seconds
@@ -390,12 +418,16 @@ class DecodeEngine:
         """The waiting local prefill to run next (module doc): of those whose rest fits in one
         piece the first of the shortest, else the first in the queue (the begun one, then by
         arrival). Without pieces, the first of the shortest."""
+        return self._local_order()[0]
+
+    def _local_order(self) -> list[Sequence]:
+        """The waiting local prefills in the order they run (_next_local)."""
         def key(item: tuple[int, Sequence]) -> tuple[bool, int]:
             index, seq = item
             left = self._prefill_left(seq)
             long = self.chunk is not None and left > self.chunk
             return long, index if long else left
-        return min(enumerate(self._local), key=key)[1]
+        return [seq for _, seq in sorted(enumerate(self._local), key=key)]
 
     def _mixes(self, start: int, end: int) -> bool:
         """Whether the piece [start, end) takes the decode step into its call: not when it is a

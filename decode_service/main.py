@@ -61,6 +61,11 @@ def parse_args(argv=None):
                    "it rides in stays within MS: the largest of --piece-sizes whose measured "
                    "cost fits (the smallest if none does; a prompt always advances); default: "
                    "every piece --prefill-chunk-tokens")
+    p.add_argument("--ttft-target-ms", type=float, default=None, metavar="MS",
+                   help="with --itl-target-ms: a local prefill piece is made larger where the "
+                   "waiting local prompts would otherwise miss this time to first token from "
+                   "their arrival (e.g. the TTFT SLO); default: pieces sized by the ITL target "
+                   "alone")
     p.add_argument("--piece-sizes", type=parse_buckets, default=None, metavar="N,N,...",
                    help="the piece lengths a local prefill may take beside running sequences "
                    "(one mixed sub-model is built for each), ascending, ending at "
@@ -79,7 +84,8 @@ def build(args):
     """(servicer, engine, channels, metrics) for the parsed arguments."""
     opts = worker.model_options_from_args(args)
     for flag, value in (("--tpot-target-ms", args.tpot_target_ms),
-                        ("--itl-target-ms", args.itl_target_ms)):
+                        ("--itl-target-ms", args.itl_target_ms),
+                        ("--ttft-target-ms", args.ttft_target_ms)):
         if value is not None and not value > 0:
             raise SystemExit(f"{flag} must be > 0 milliseconds, got {value}")
     if args.prefill_chunk_tokens < 0:
@@ -94,7 +100,8 @@ def build(args):
     config = EngineConfig(args.max_batch_size, args.kv_blocks, args.block_size,
                           not args.no_prefix_caching, args.split_call_cost,
                           None if args.tpot_target_ms is None else args.tpot_target_ms / 1000,
-                          None if args.itl_target_ms is None else args.itl_target_ms / 1000)
+                          None if args.itl_target_ms is None else args.itl_target_ms / 1000,
+                          None if args.ttft_target_ms is None else args.ttft_target_ms / 1000)
     engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
                           metrics)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))

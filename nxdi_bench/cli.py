@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our decode workers size each local prefill piece beside running "
                         "sequences so that the step stays within this inter-token gap "
                         "(default: off, every piece --prefill-chunk-tokens)")
+    g.add_argument("--decode-ttft-target", type=float, default=None, metavar="SECONDS",
+                   help="with --decode-itl-target: our decode workers make a local prefill "
+                        "piece larger where waiting local prompts would otherwise miss this "
+                        "time to first token (e.g. the --slo-ttft value; default: off)")
     return parser
 
 
@@ -257,7 +261,8 @@ def _compare_settings(args):
                           local_prefill_always_tokens=args.local_prefill_always_tokens,
                           prefill_chunk_tokens=args.prefill_chunk_tokens,
                           decode_tpot_target_s=args.decode_tpot_target,
-                          decode_itl_target_s=args.decode_itl_target)
+                          decode_itl_target_s=args.decode_itl_target,
+                          decode_ttft_target_s=args.decode_ttft_target)
     if args.cpus:
         serve.cpus = [int(c) for c in args.cpus.split(",")]
     out_dir = args.out_dir or Path("results/goodput") / (

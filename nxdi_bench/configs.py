@@ -44,6 +44,7 @@ class ServeSettings:
     prefill_chunk_tokens: int | None = None  # ours: decode workers' --prefill-chunk-tokens
     decode_tpot_target_s: float | None = None  # ours: decode workers' --tpot-target-ms
     decode_itl_target_s: float | None = None  # ours: decode workers' --itl-target-ms
+    decode_ttft_target_s: float | None = None  # ours: decode workers' --ttft-target-ms
     startup_timeout_s: float = 900.0
 
 
@@ -60,6 +61,8 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
         decode_args += ["--tpot-target-ms", f"{s.decode_tpot_target_s * 1000:g}"]
     if s.decode_itl_target_s is not None:
         decode_args += ["--itl-target-ms", f"{s.decode_itl_target_s * 1000:g}"]
+    if s.decode_ttft_target_s is not None:
+        decode_args += ["--ttft-target-ms", f"{s.decode_ttft_target_s * 1000:g}"]
     common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
                   compiled_root=s.compiled_root, quantize=s.quantize, decode_args=decode_args,
                   context_buckets=s.context_buckets,

@@ -264,6 +264,43 @@ def test_a_sized_piece_runs_beside_the_batch_and_its_cost_is_measured(itl_engine
         forget(engine, run, prompt)
 
 
+def test_pieces_grow_where_waiting_local_prompts_would_miss_the_ttft_target(tiny_chat_model):
+    """With --ttft-target-ms the ITL-sized piece (4 here: 40 + 8 ms fits 50, 8 tokens do not)
+    grows to the smallest length whose rate (tokens per step with it) finishes every waiting
+    prompt, in the order they run, within the target of its arrival; the largest when none
+    would; prompts already past the target only add their tokens."""
+    engine = build(tiny_chat_model, "--itl-target-ms", "50", "--piece-sizes", "4,8,16",
+                   "--ttft-target-ms", "4000")
+    run = running_sequence(engine, "run", tokens=1, max_tokens=50, first_token_ago_s=0.0)
+    engine.step_s, engine.piece_s_per_token = 0.04, 0.002  # rates: 4 -> 83, 8 -> 143, 16 -> 222
+    now = time.monotonic_ns()
+
+    def waiting(rid: str, tokens: int, waited_s: float):
+        seq = engine.admit(DecodeJob(rid, tuple(range(1000, 1000 + tokens))), 4,
+                           lambda event: None)
+        seq.arrival_ns = now - int(waited_s * 1e9)
+        engine._local.append(seq)
+        return seq
+
+    first = waiting("first", 100, 4.0 - 1.5)  # 100 tokens in 1.5 s: 67 tokens/s
+    assert engine._piece_size() == 4
+    first.arrival_ns = now - int(3.2e9)  # 100 in 0.8 s: 125/s
+    assert engine._piece_size() == 8
+    first.arrival_ns = now - int(3.5e9)  # 100 in 0.5 s: 200/s
+    assert engine._piece_size() == 16
+    first.arrival_ns = now - int(3.8e9)  # 500/s: more than any piece gives
+    assert engine._piece_size() == 16
+    first.arrival_ns = now - int(5e9)  # missed already: its tokens only
+    second = waiting("second", 100, 2.0)  # 200 tokens before its deadline in 2 s: 100/s
+    assert engine._piece_size() == 8
+    forget(engine, run, first, second)
+    engine.config = EngineConfig(itl_target_s=0.05)  # no TTFT target: the ITL size alone
+    engine._local.append(first)
+    running_sequence(engine, "run2", tokens=1, max_tokens=50, first_token_ago_s=0.0)
+    first.arrival_ns = now - int(3.9e9)
+    assert engine._piece_size() == 4
+
+
 def test_piece_sizes_default_with_the_itl_target_and_bad_ones_are_refused(tiny_chat_model):
     assert main.default_piece_sizes(256) == (16, 32, 64, 128, 256)
     assert main.default_piece_sizes(100) == (16, 32, 64, 100)
@@ -286,14 +323,18 @@ def test_piece_sizes_default_with_the_itl_target_and_bad_ones_are_refused(tiny_c
                                     "--prefill-chunk-tokens", "0", "--piece-sizes", "4"]))
     with pytest.raises(ValueError, match="itl_target_s must be > 0 seconds, got 0"):
         EngineConfig(itl_target_s=0)
+    with pytest.raises(SystemExit, match="--ttft-target-ms must be > 0 milliseconds"):
+        build(tiny_chat_model, "--ttft-target-ms", "-5")
 
 
 def test_the_benchmark_passes_the_itl_target_to_our_decode_workers():
     from nxdi_bench import cli
     from nxdi_bench.configs import ServeSettings, our_launch_spec
-    args = cli.build_parser().parse_args(["compare", "--decode-itl-target", "0.03"])
-    assert args.decode_itl_target == 0.03
-    serve = ServeSettings(decode_itl_target_s=0.03)
+    args = cli.build_parser().parse_args(["compare", "--decode-itl-target", "0.03",
+                                          "--decode-ttft-target", "4"])
+    assert (args.decode_itl_target, args.decode_ttft_target) == (0.03, 4)
+    serve = ServeSettings(decode_itl_target_s=0.03, decode_ttft_target_s=4)
     for name in ("disaggregated", "aggregated"):
-        assert our_launch_spec(name, serve).decode_args[-2:] == ["--itl-target-ms", "30"]
+        assert our_launch_spec(name, serve).decode_args[-4:] == [
+            "--itl-target-ms", "30", "--ttft-target-ms", "4000"]
         assert "--itl-target-ms" not in our_launch_spec(name, ServeSettings()).decode_args

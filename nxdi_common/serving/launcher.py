@@ -37,7 +37,7 @@ SERVICE_FLAGS = {
                 "--kv-socket-port"),
     "decode": ("--host", "--port", "--metrics-port", "--max-batch-size", "--kv-blocks",
                "--block-size", "--local-prefill-max-tokens", "--prefill-chunk-tokens",
-               "--tpot-target-ms", "--itl-target-ms", "--piece-sizes"),
+               "--tpot-target-ms", "--itl-target-ms", "--ttft-target-ms", "--piece-sizes"),
     "router": ("--host", "--http-port", "--grpc-port", "--prefill", "--decode", "--prefill-dns",
                "--decode-dns", "--policy"),
 }
