@@ -220,14 +220,26 @@ class DecodeEngine:
 
     def load(self) -> dict:
         """Counts for the load report; "local_prompt_tokens": prompt tokens the local prefills
-        have still to compute, "prefill_tokens_per_s": the rate they have gone at lately."""
+        have still to compute, "prefill_tokens_per_s": the rate they can go at (_local_rate)."""
         with self._blocks_lock:
             used, free = self.blocks.num_used_blocks, self.blocks.num_free_blocks
             local = sum(self._prefill_left(s) for s in self._local_left.values())
         running = self.scheduler.num_running
         return {"running": running, "queued": max(len(self._live) - running, 0),
                 "kv_blocks_used": used, "kv_blocks_free": free, "local_prompt_tokens": local,
-                "prefill_tokens_per_s": self.local_rate.tokens_per_s}
+                "prefill_tokens_per_s": self._local_rate()}
+
+    def _local_rate(self) -> float:
+        """The local prefill rate a router weighs this worker by: the rate the local prefills
+        have gone at lately; with a TTFT target at least what whole chunks beside the measured
+        step would give, since pieces grow to that where waiting prompts need it (ITL-sized
+        pieces alone would tell the router a rate the engine does not hold to under a
+        deadline, and send it prompts the engine would have met)."""
+        rate, per_token = self.local_rate.tokens_per_s, self.piece_s_per_token
+        if (self.config.ttft_target_s is None or self.chunk is None or self.step_s is None
+                or not per_token):
+            return rate
+        return max(rate, self.chunk / (self.step_s + self.chunk * per_token))
 
     # ---- engine thread --------------------------------------------------------------------
 

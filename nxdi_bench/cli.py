@@ -101,7 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: results/goodput/<workload>-<date>")
     p.add_argument("--cdf-rate", type=float, help="rate whose runs the CDF plots show "
                    "(default: the highest rate every configuration ran)")
-    g = p.add_argument_group("servers")
+    _server_args(p.add_argument_group("servers"))
+    _local_prefill_args(p.add_argument_group("local prefill (ours)"))
+    return parser
+
+
+def _server_args(g) -> None:
+    """compare: what each configuration serves, and where."""
     g.add_argument("--model", help="HF checkpoint directory (default: the bundled SmolLM2)")
     g.add_argument("--gguf", help="GGUF file for llama.cpp (default: the bundled one)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
@@ -115,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the first two this process may use)")
     g.add_argument("--decode-max-batch-size", type=int, default=16)
     g.add_argument("--kv-blocks", type=int, default=1024)
+
+
+def _local_prefill_args(g) -> None:
+    """compare: the disaggregated router's local prefill rule and our decode workers' pieces."""
     g.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
                    help="disaggregated: the router's conditional disaggregation (prompts of at "
                         "most N tokens prefilled by the decode worker while the prefill worker is "
@@ -140,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --decode-itl-target: our decode workers make a local prefill "
                         "piece larger where waiting local prompts would otherwise miss this "
                         "time to first token (e.g. the --slo-ttft value; default: off)")
-    return parser
 
 
 def _slo(args) -> SLO:

@@ -268,7 +268,9 @@ def test_pieces_grow_where_waiting_local_prompts_would_miss_the_ttft_target(tiny
     """With --ttft-target-ms the ITL-sized piece (4 here: 40 + 8 ms fits 50, 8 tokens do not)
     grows to the smallest length whose rate (tokens per step with it) finishes every waiting
     prompt, in the order they run, within the target of its arrival; the largest when none
-    would; prompts already past the target only add their tokens."""
+    would; prompts already past the target only add their tokens. The local rate it reports is
+    then at least what whole chunks would give: a router should not take the ITL-sized rate
+    for all the engine can do before a deadline."""
     engine = build(tiny_chat_model, "--itl-target-ms", "50", "--piece-sizes", "4,8,16",
                    "--ttft-target-ms", "4000")
     run = running_sequence(engine, "run", tokens=1, max_tokens=50, first_token_ago_s=0.0)
@@ -293,8 +295,14 @@ def test_pieces_grow_where_waiting_local_prompts_would_miss_the_ttft_target(tiny
     first.arrival_ns = now - int(5e9)  # missed already: its tokens only
     second = waiting("second", 100, 2.0)  # 200 tokens before its deadline in 2 s: 100/s
     assert engine._piece_size() == 8
+    # the rate it reports: at least whole chunks' beside the step, 16 / (40 + 32 ms) = 222/s
+    assert engine.load()["prefill_tokens_per_s"] == pytest.approx(16 / 0.072)
+    engine.local_rate.add(500, 1.0)  # gone faster lately: that
+    assert engine.load()["prefill_tokens_per_s"] == pytest.approx(500)
+    engine.local_rate.s_per_token = None
     forget(engine, run, first, second)
     engine.config = EngineConfig(itl_target_s=0.05)  # no TTFT target: the ITL size alone
+    assert engine.load()["prefill_tokens_per_s"] == 0.0  # and the measured rate alone
     engine._local.append(first)
     running_sequence(engine, "run2", tokens=1, max_tokens=50, first_token_ago_s=0.0)
     first.arrival_ns = now - int(3.9e9)
