@@ -75,7 +75,7 @@ from nxdi_common.serving.detokenize import OutputText
 
 log = logging.getLogger(__name__)
 K, V = 0, 1
-STEP_REMEASURE_S = 1.0  # with a TPOT target: the oldest decode step time pieces are judged by
+STEP_REMEASURE_S = 1.0  # with a TPOT or ITL target: the oldest step time pieces are judged by
 PIECE_COST_DECAY = 0.8  # the weight of earlier pieces in the measured seconds per token
 
 
@@ -119,10 +119,10 @@ class DecodeEngine:
         self._commands: queue.Queue = queue.Queue()
         self._local: deque[Sequence] = deque()  # local prefills: the one begun, then by arrival
         self.chunk = model.neuron_config.prefill_chunk_size
-        self._mixed = getattr(model, "mixed_model", None) is not None
         # the mixed sub-model's chunk lengths, ascending (a piece pads to the smallest that
-        # holds it)
+        # holds it); none without the mixed sub-model
         self.sizes = sorted(getattr(model, "mixed_models", None) or ())
+        self._mixed = bool(self.sizes)
         # admitted and not released, by request id: a command or release for a sequence acts
         # only while its id still maps to it (an id may be reused once its sequence finished)
         self._live: dict[str, Sequence] = {}

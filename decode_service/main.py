@@ -44,14 +44,27 @@ def parse_args(argv=None):
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
                    help="prompts up to this length are prefilled here, not pulled")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=DEFAULT_PREFILL_CHUNK_TOKENS,
-                   metavar="N", help="a prompt prefilled here runs N tokens at a time, one piece "
-                   "between two decode steps, so running sequences wait for one piece instead of "
-                   "the whole prefill; 0: the whole prompt at once")
     p.add_argument("--split-call-cost", type=int,
                    default=EngineConfig.split_call_cost_row_tokens, metavar="ROW_TOKENS",
                    help="fixed cost of one more token-generation call, in row-tokens of "
                    "attention: a step runs short and long sequences apart when that saves more")
+    _add_local_prefill_args(p.add_argument_group("local prefill"))
+    p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES)
+    p.add_argument("--kv-socket", choices=("on", "off"), default="on",
+                   help="take prompt KV over the prefill worker's direct TCP connection when it "
+                        "offers one (the gRPC stream stays the control path); off: on the "
+                        "stream only")
+    p.add_argument("--kv-pull-timeout-seconds", type=float, default=600.0)
+    return p.parse_args(argv)
+
+
+def _add_local_prefill_args(p) -> None:
+    """How a prompt prefilled here is cut into pieces between decode steps, and the targets
+    that size and hold back those pieces (engine module doc)."""
+    p.add_argument("--prefill-chunk-tokens", type=int, default=DEFAULT_PREFILL_CHUNK_TOKENS,
+                   metavar="N", help="a prompt prefilled here runs N tokens at a time, one piece "
+                   "between two decode steps, so running sequences wait for one piece instead of "
+                   "the whole prefill; 0: the whole prompt at once")
     p.add_argument("--tpot-target-ms", type=float, default=None, metavar="MS",
                    help="a local prefill piece waits while it would put a running sequence over "
                    "this time per output token that it would otherwise meet (e.g. the TPOT SLO); "
@@ -71,13 +84,6 @@ def parse_args(argv=None):
                    "(one mixed sub-model is built for each), ascending, ending at "
                    "--prefill-chunk-tokens; default with --itl-target-ms: 16, 32, 64, ... and "
                    "--prefill-chunk-tokens, else --prefill-chunk-tokens alone")
-    p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES)
-    p.add_argument("--kv-socket", choices=("on", "off"), default="on",
-                   help="take prompt KV over the prefill worker's direct TCP connection when it "
-                        "offers one (the gRPC stream stays the control path); off: on the "
-                        "stream only")
-    p.add_argument("--kv-pull-timeout-seconds", type=float, default=600.0)
-    return p.parse_args(argv)
 
 
 def build(args):
@@ -99,9 +105,8 @@ def build(args):
     metrics = ServingMetrics("decode")
     config = EngineConfig(args.max_batch_size, args.kv_blocks, args.block_size,
                           not args.no_prefix_caching, args.split_call_cost,
-                          None if args.tpot_target_ms is None else args.tpot_target_ms / 1000,
-                          None if args.itl_target_ms is None else args.itl_target_ms / 1000,
-                          None if args.ttft_target_ms is None else args.ttft_target_ms / 1000)
+                          *(None if ms is None else ms / 1000 for ms in (
+                              args.tpot_target_ms, args.itl_target_ms, args.ttft_target_ms)))
     engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
                           metrics)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))
