@@ -183,11 +183,13 @@ class NeuronApplicationBase(nn.Module):
     def resolve_weight_layout(self, backend_name: str) -> str:
         """The linear weights' layout for a backend, as neuron_config.cpu_weight_layout asks:
         ONEDNN or PANELS on the CPU backends, else PLAIN. "auto" packs bfloat16 weights: into
-        PANELS on x86 CPUs with AVX2 and without AMX (kernels.panels_suit_this_cpu) where our
-        kernels build; elsewhere for oneDNN where it runs."""
+        PANELS on x86 CPUs where our kernel is the faster one (kernels.panels_suit_this_cpu:
+        AVX2 without AMX, and AMX with the tile state granted) and builds; elsewhere for oneDNN
+        where it runs."""
         nc = self.neuron_config
         requested = nc.cpu_weight_layout
-        if requested == PANELS or (requested == "auto" and panels_suit_this_cpu()):
+        if requested == PANELS or (requested == "auto"
+                                   and panels_suit_this_cpu(quantized=bool(nc.quantized))):
             fast, unavailable = PANELS, kernels_unavailable_reason
         else:
             fast, unavailable = ONEDNN, lambda: onednn_unavailable_reason(nc.torch_dtype)

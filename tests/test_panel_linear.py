@@ -8,6 +8,9 @@ bfloat16 weights in pairs, the layout packed there, with the same results as fro
 bad arguments are refused with the argument named."""
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -82,7 +85,8 @@ def test_bf16_weights_come_in_pairs_where_the_kernel_multiplies_them_natively():
 def test_pairs_give_the_panels_results_bit_for_bit(ops, rows, in_features):
     """The same sums in the same order from either layout: bf16 x on the dot products (its
     tiles of 8 rows, pairs read in place vs interleaved on the fly up to 32 rows and once past),
-    float32 x on the float32 path (which reorders pairs back into panels); bias and residual."""
+    float32 x on the float32 path (which reorders pairs back into panels); bias and residual.
+    Where pairs run on AMX tiles (their own test below) both are the rounded exact product."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(40, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g).bfloat16()
@@ -90,10 +94,73 @@ def test_pairs_give_the_panels_results_bit_for_bit(ops, rows, in_features):
     pairs, panels = pack_panels(w, pairs=True), pack_panels(w, pairs=False)
     for args in ((), (bias,), (None, residual), (bias, residual)):
         got = ops.panel_linear(x, pairs, 40, *args)
-        assert torch.equal(got, ops.panel_linear(x, panels, 40, *args))
+        if kernels.panel_amx_tiles():
+            assert_rounded_product(got, x, w, *args)
+        else:
+            assert torch.equal(got, ops.panel_linear(x, panels, 40, *args))
     assert_rounded_product(ops.panel_linear(x, pairs, 40), x, w)
     assert torch.equal(ops.panel_linear(x.float(), pairs, 40),
                        ops.panel_linear(x.float(), panels, 40))
+
+
+needs_amx_tiles = pytest.mark.skipif(
+    not kernels.panel_amx_tiles(), reason="bf16 pairs run on AMX tiles only on CPUs with AMX")
+
+
+@needs_amx_tiles
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 64, 300])
+@pytest.mark.parametrize("in_features", [64, 77, 600])
+def test_amx_tiles_give_the_rounded_exact_product(ops, rows, in_features):
+    """bf16 x times bf16 pairs on AMX tiles: one A tile (up to 16 rows) or two (up to 32) a
+    block, several blocks and row blocks (300 rows of 600 inputs: 224-row blocks), inputs in
+    whole 32-input tiles (64) and with a zero-padded last tile (77: odd, 600: 24 left), three
+    panels (two, then one alone), the last partial; bias and residual before the one rounding."""
+    g = torch.Generator().manual_seed(rows * in_features)
+    w = torch.randn(40, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    bias, residual = torch.randn(40, generator=g).bfloat16(), torch.randn(rows, 40).bfloat16()
+    pairs = pack_panels(w, pairs=True)
+    for args in ((), (bias,), (None, residual), (bias, residual)):
+        assert_rounded_product(ops.panel_linear(x, pairs, 40, *args), x, w, *args)
+
+
+@needs_amx_tiles
+def test_amx_tiles_beside_onednn_amx_products_on_two_threads(ops):
+    """oneDNN's packed bf16 products (its own AMX kernels here) set the same per-thread tile
+    configuration; ours, called in between on two threads, loads its own each time and both
+    stay right."""
+    from nxdi_common.modules.linear import onednn_ops, pack_weight
+    g = torch.Generator().manual_seed(7)
+    w1, w2 = torch.randn(96, 256, generator=g).bfloat16(), torch.randn(40, 96, generator=g).bfloat16()
+    packed, pairs = pack_weight(w1), pack_panels(w2, pairs=True)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (1, 20, 64, 5):
+            x = torch.randn(rows, 256, generator=g).bfloat16()
+            h = onednn_ops()[0](x, packed, None)
+            assert torch.allclose(h.float(), x.float() @ w1.float().T, rtol=2e-2, atol=2e-2)
+            y = ops.panel_linear(h, pairs, 40)
+            assert_rounded_product(y, h, w2)
+            assert torch.allclose(onednn_ops()[0](x, packed, None).float(), h.float())
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_amx_tiles
+def test_amx_tiles_can_be_turned_off_for_comparisons():
+    """NXDI_PANEL_AMX_MIN_ROWS=0: pairs run on the dot products (or wherever they would without
+    AMX) and the library says so."""
+    code = ("import torch; from nxdi_common import kernels; "
+            "from nxdi_common.modules.linear import pack_panels; "
+            "amx = kernels.panel_amx_tiles(); "
+            "w = torch.randn(40, 77).bfloat16(); x = torch.randn(3, 77).bfloat16(); "
+            "y = torch.ops.nxdi.panel_linear(x, pack_panels(w), 40); "
+            "print(amx, (y.float() - x.float() @ w.float().T).abs().max().item())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "NXDI_PANEL_AMX_MIN_ROWS": "0"})
+    amx, err = out.stdout.split()
+    assert amx == "False" and float(err) < 0.1
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 24, 30, 301])
@@ -288,7 +355,7 @@ def test_compiled_model_with_panels_gives_the_plain_layouts_tokens(tiny_llama_ck
         other.load(tmp_path / PLAIN)
 
 
-def test_auto_picks_panels_on_x86_without_amx(tiny_llama_ckpt, monkeypatch):
+def test_auto_picks_panels_on_x86_without_amx_or_with_amx_tiles(tiny_llama_ckpt, monkeypatch):
     model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=config())
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert model.resolve_weight_layout("cpu") == PANELS
@@ -300,6 +367,11 @@ def test_auto_picks_panels_on_x86_without_amx(tiny_llama_ckpt, monkeypatch):
     assert model.resolve_weight_layout("cpu") == PANELS
     monkeypatch.setattr(kernels, "cpu_flags",  # Intel Sapphire Rapids: AMX
                         lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}))
+    monkeypatch.setattr(kernels, "panel_amx_tiles", lambda: True)
+    assert model.resolve_weight_layout("cpu") == PANELS  # pairs on the tiles
+    int8 = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=config(quantized=True))
+    assert int8.resolve_weight_layout("cpu") != PANELS  # int8 panels would widen to float32
+    monkeypatch.setattr(kernels, "panel_amx_tiles", lambda: False)  # tile state refused
     assert model.resolve_weight_layout("cpu") != PANELS
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset())  # not x86, or unknown
     assert model.resolve_weight_layout("cpu") != PANELS

@@ -4,7 +4,7 @@ One library, built (once per source, torch version and CPU) from `paged_attentio
 (`torch.ops.nxdi.paged_decode_attention`), `fused_ops.cpp` (`torch.ops.nxdi.rms_norm`,
 `rope_qk`, `rope_qk_store`, `silu_mul`, `topk`), `causal_attention.cpp` (`torch.ops.nxdi.causal_attention`,
 context encoding's attention, and `chunk_attention`, a prompt chunk's over the cache) and `panel_linear.cpp` (`torch.ops.nxdi.panel_linear`, linear layers
-on CPUs without AMX), which share `simd.h`. `paged_attention()` and `fused_ops()`
+in bf16 panels, on AMX tiles where the CPU has them), which share `simd.h`. `paged_attention()` and `fused_ops()`
 build and load it. The build needs a C++ compiler and ninja (both on the target machines; the
 `ninja` wheel is a dependency); where it fails, `kernels_unavailable_reason()` says why and the
 models keep the torch paths. Build output lands under $NXDI_KERNEL_CACHE (default ~/.cache/nxdi_serving/kernels)."""
@@ -67,14 +67,28 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split()) if line else frozenset()
 
 
-def panels_suit_this_cpu() -> bool:
-    """True on x86 CPUs with AVX2 and FMA but without AMX: there our panel kernel beats torch's
-    and oneDNN's bfloat16 products (modules/linear.py): without bfloat16 dot products torch's
-    GEMM converts element by element and oneDNN cannot pack bfloat16; with AVX512-BF16 (e.g.
-    AMD Zen 4) the kernel runs on those dot products and reads a one-row product's weights
-    faster than oneDNN. With AMX, oneDNN's AMX kernels win."""
+def panels_suit_this_cpu(quantized: bool = False) -> bool:
+    """True on x86 CPUs with AVX2 and FMA where our panel kernel beats torch's and oneDNN's
+    bfloat16 products (modules/linear.py). Without AMX: without bfloat16 dot products torch's
+    GEMM converts element by element and oneDNN cannot pack bfloat16; with AVX512-BF16 (e.g. AMD
+    Zen 4) the kernel runs on those dot products and reads a one-row product's weights faster
+    than oneDNN. With AMX (Intel Sapphire Rapids and later) the kernel multiplies bfloat16 pairs
+    on AMX tiles, faster than oneDNN's packed weights at every row count measured (1 to 512),
+    where the library is built for them and Linux grants the tile state; not for `quantized`
+    (int8) weights, whose panels widen to float32 there and lose to torch's int8 kernel."""
     flags = cpu_flags()
-    return {"avx2", "fma"} <= flags and "amx_bf16" not in flags
+    if not {"avx2", "fma"} <= flags:
+        return False
+    if "amx_bf16" not in flags:
+        return True
+    return not quantized and panel_amx_tiles()
+
+
+def panel_amx_tiles() -> bool:
+    """True where our library is loaded and multiplies bfloat16 pairs on AMX tiles: built for a
+    CPU with them, granted the tile state by Linux, and not turned off with
+    NXDI_PANEL_AMX_MIN_ROWS=0 (kernels/panel_linear.cpp)."""
+    return kernels_unavailable_reason() is None and bool(torch.ops.nxdi.panel_amx_tiles())
 
 
 def _build_name() -> str:

@@ -43,6 +43,10 @@
 #include <utility>
 #include <vector>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstdlib>
+
 namespace {
 
 using namespace nxdi_simd;
@@ -286,6 +290,161 @@ void run_dot(const Problem& pb, const BF16* x, const BF16* panels, bool paired,
 }
 #endif  // __AVX512BF16__
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// bfloat16 x times bfloat16 pairs with AMX tiles (Intel Sapphire Rapids and later). The pairs
+// layout is already the layout of an AMX B tile: 16 rows of 64 bytes, row i holding the pair
+// (W[j, 2i], W[j, 2i + 1]) for the 16 outputs j of a panel, so 32 inputs of one panel are one
+// tile loaded straight from the weights (stride 64) and 16 or fewer rows of x by 32 inputs are
+// an A tile loaded straight from x (stride 2K). A block of up to 32 rows times two panels is two
+// A tiles, two B tiles and four float32 C tiles (tiles 4-5, 6-7 and 0-3): each weight tile
+// serves 32 rows, each x tile 32 outputs. tdpbf16ps sums pairs of exact products into float32
+// sums, as vdpbf16ps does (run_dot), so the result rounds as that path's does (the order of the
+// sums differs, so not bit for bit).
+//
+// Linux hands a process the tile state only on request (arch_prctl(ARCH_REQ_XCOMP_PERM)); where
+// that is refused the dot-product path runs. The tile configuration is a thread's state that
+// oneDNN (packed linear weights, the causal attention's brgemm) also sets, so each parallel chunk
+// loads ours and releases the tiles when it is done.
+constexpr int kAmxRows = 16;      // rows of an A / C tile
+constexpr int kAmxK = 32;         // bfloat16 inputs of an A tile row / pairs of a B tile x 2
+constexpr int kAmxBlockRows = 2 * kAmxRows;
+
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// Rows from which a product runs on AMX tiles (NXDI_PANEL_AMX_MIN_ROWS, read once; 0 turns the
+// tiles off, for comparisons): below it the dot-product path. By default every product: on the
+// Intel VM (Sapphire Rapids, 2 vCPUs) the 121 products of a decode step took 10.9-11.1 ms on the
+// tiles at one row against 12.9-13.6 on the dot products and 15 with oneDNN-packed weights (two
+// threads; bench/bench_projections.py), 12.3 ms against 27-49 and 16 at 16 rows.
+int64_t amx_min_rows() {
+  static const int64_t rows = [] {
+    const char* env = std::getenv("NXDI_PANEL_AMX_MIN_ROWS");
+    return env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t{1};
+  }();
+  return rows;
+}
+
+bool amx_tiles_run() { return amx_min_rows() > 0 && amx_granted(); }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles for an A block of r0 + r1 rows (r1 = 0: one A tile) times two panels.
+void configure_tiles(int r0, int r1) {
+  TileConfig cfg;
+  auto set = [&](int t, int rows) { cfg.rows[t] = static_cast<uint8_t>(rows); cfg.colsb[t] = 64; };
+  set(0, r0); set(1, r0); set(4, r0);       // C00, C01, A0
+  if (r1 > 0) { set(2, r1); set(3, r1); set(5, r1); }  // C10, C11, A1
+  set(6, kAmxRows); set(7, kAmxRows);       // B0, B1: 16 pairs of rows
+  _tile_loadconfig(&cfg);
+}
+
+// c[q][r * 16 + j] (q < 2 panels, r < rows <= 32, c[q] at c + q * 32 * 16) = x rows times the
+// panels; `tail_a` and `tail_b` are scratch for the last K % 32 inputs, zero-padded.
+template <bool TwoA, bool TwoB>
+void amx_block(const BF16* x, int64_t K, const BF16* p0, const BF16* p1, int rows, float* c,
+               BF16* tail_a, BF16* tail_b) {
+  const int64_t ldx = K * static_cast<int64_t>(sizeof(BF16));
+  _tile_zero(0); _tile_zero(1);
+  if (TwoA) { _tile_zero(2); _tile_zero(3); }
+  const int64_t full = K / kAmxK * kAmxK;
+  for (int64_t k = 0; k < full; k += kAmxK) {
+    _tile_loadd(6, p0 + k * kNR, 64);  // pairs k / 2 .. k / 2 + 15: 32 values a pair row
+    if (TwoB) _tile_loadd(7, p1 + k * kNR, 64);
+    _tile_loadd(4, x + k, ldx);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TwoB) _tile_dpbf16ps(1, 4, 7);
+    if (TwoA) {
+      _tile_loadd(5, x + kAmxRows * K + k, ldx);
+      _tile_dpbf16ps(2, 5, 6);
+      if (TwoB) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  if (full < K) {  // the last K - full inputs, zero-padded to a whole tile
+    const int64_t rest = K - full, rest_pairs = (rest + 1) / 2;
+    std::memset(tail_a, 0, kAmxBlockRows * kAmxK * sizeof(BF16));
+    for (int r = 0; r < rows; ++r)
+      std::memcpy(tail_a + r * kAmxK, x + r * K + full, rest * sizeof(BF16));
+    std::memset(tail_b, 0, 2 * kAmxRows * 2 * kNR * sizeof(BF16));
+    std::memcpy(tail_b, p0 + full * kNR, rest_pairs * 2 * kNR * sizeof(BF16));
+    if (TwoB)
+      std::memcpy(tail_b + kAmxRows * 2 * kNR, p1 + full * kNR,
+                  rest_pairs * 2 * kNR * sizeof(BF16));
+    _tile_loadd(6, tail_b, 64);
+    if (TwoB) _tile_loadd(7, tail_b + kAmxRows * 2 * kNR, 64);
+    _tile_loadd(4, tail_a, kAmxK * sizeof(BF16));
+    _tile_dpbf16ps(0, 4, 6);
+    if (TwoB) _tile_dpbf16ps(1, 4, 7);
+    if (TwoA) {
+      _tile_loadd(5, tail_a + kAmxRows * kAmxK, kAmxK * sizeof(BF16));
+      _tile_dpbf16ps(2, 5, 6);
+      if (TwoB) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t kC = kNR * sizeof(float);
+  _tile_stored(0, c, kC);
+  if (TwoB) _tile_stored(1, c + kAmxBlockRows * kNR, kC);
+  if (TwoA) {
+    _tile_stored(2, c + kAmxRows * kNR, kC);
+    if (TwoB) _tile_stored(3, c + kAmxBlockRows * kNR + kAmxRows * kNR, kC);
+  }
+}
+
+void run_amx(const Problem& pb, const BF16* x, const BF16* pairs, const BF16* bias,
+             const BF16* residual, BF16* out) {
+  const int64_t stride = (pb.K + 1) / 2 * 2 * kNR;  // values a panel
+  const int64_t block_rows = std::max<int64_t>(
+      kAmxBlockRows,
+      kRowBlockBytes / (static_cast<int64_t>(sizeof(BF16)) * std::max<int64_t>(pb.K, 1)) /
+          kAmxBlockRows * kAmxBlockRows);
+  const int64_t row_blocks = (pb.M + block_rows - 1) / block_rows;
+  const int64_t groups = (pb.P + kPanelsPerTask - 1) / kPanelsPerTask;
+  at::parallel_for(0, groups * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[2 * kAmxBlockRows * kNR];
+    alignas(64) BF16 tail_a[kAmxBlockRows * kAmxK];
+    alignas(64) BF16 tail_b[2 * kAmxRows * 2 * kNR];
+    int configured = -1;  // rows of the loaded configuration
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / row_blocks, rb = task % row_blocks;
+      const int64_t m_end = std::min(pb.M, (rb + 1) * block_rows);
+      const int64_t p_end = std::min(pb.P, (g + 1) * kPanelsPerTask);
+      for (int64_t p = g * kPanelsPerTask; p < p_end; p += 2) {
+        const int np = static_cast<int>(std::min<int64_t>(2, p_end - p));
+        const BF16* p0 = pairs + p * stride;
+        for (int64_t m = rb * block_rows; m < m_end; m += kAmxBlockRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kAmxBlockRows, m_end - m));
+          if (rows != configured) {
+            configure_tiles(std::min(rows, kAmxRows), std::max(rows - kAmxRows, 0));
+            configured = rows;
+          }
+          const BF16* xm = x + m * pb.K;
+          const bool two_a = rows > kAmxRows;
+          if (np == 2)
+            (two_a ? amx_block<true, true> : amx_block<false, true>)(xm, pb.K, p0, p0 + stride,
+                                                                     rows, c, tail_a, tail_b);
+          else
+            (two_a ? amx_block<true, false> : amx_block<false, false>)(xm, pb.K, p0, p0, rows, c,
+                                                                       tail_a, tail_b);
+          for (int q = 0; q < np; ++q)
+            store_tile(c + q * kAmxBlockRows * kNR, rows, m, (p + q) * kNR, pb, bias, residual,
+                       out);
+        }
+      }
+    }
+    if (configured >= 0) _tile_release();
+  });
+}
+#endif  // AMX
+
 template <typename F>
 void dispatch_16_or_32(at::ScalarType type, const char* what, const char* allowed, F&& f) {
   switch (type) {
@@ -354,6 +513,15 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels_in, int
 #if defined(__AVX512BF16__)
   if (x_in.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16) {
     const at::Tensor xb = x_in.contiguous();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (paired && pb.M >= amx_min_rows() && amx_tiles_run()) {
+      run_amx(pb, xb.const_data_ptr<BF16>(), panels.const_data_ptr<BF16>(),
+              bias.defined() ? bias.const_data_ptr<BF16>() : nullptr,
+              residual.defined() ? residual.const_data_ptr<BF16>() : nullptr,
+              out.mutable_data_ptr<BF16>());
+      return out;
+    }
+#endif
     run_dot(pb, xb.const_data_ptr<BF16>(), panels.const_data_ptr<BF16>(), paired,
             bias.defined() ? bias.const_data_ptr<BF16>() : nullptr,
             residual.defined() ? residual.const_data_ptr<BF16>() : nullptr,
@@ -390,6 +558,15 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
   m.def("panel_pairs_native() -> bool", [] {
 #if defined(__AVX512BF16__)
     return true;
+#else
+    return false;
+#endif
+  });
+  // True where bfloat16 pairs are multiplied on AMX tiles (built for them, and granted the tile
+  // state by Linux).
+  m.def("panel_amx_tiles() -> bool", [] {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    return amx_tiles_run();
 #else
     return false;
 #endif
