@@ -1,9 +1,10 @@
-// Linear layers for x86 CPUs without AMX. Without bfloat16 dot products (AVX2, or AVX-512 without
-// avx512_bf16) torch's bfloat16 GEMM converts element by element and runs 5-8x slower than its
-// float32 one (a 512-row prefill projection 55 ms against 7 ms on an AMD EPYC with AVX2), and
-// oneDNN cannot pack bfloat16 weights at all; with AVX512-BF16 (AMD Zen 4) the bfloat16 path
-// below (run_dot) reads a one-row product's weights faster than oneDNN. Here the weights stay in
-// their 16-bit dtype, reordered once at load into panels of 16 output columns, k-major:
+// Linear layers for x86 CPUs (with AMX, bfloat16 pairs run on its tiles: run_amx below). Without
+// bfloat16 dot products (AVX2, or AVX-512 without avx512_bf16) torch's bfloat16 GEMM converts
+// element by element and runs 5-8x slower than its float32 one (a 512-row prefill projection
+// 55 ms against 7 ms on an AMD EPYC with AVX2), and oneDNN cannot pack bfloat16 weights at all;
+// with AVX512-BF16 (AMD Zen 4) the bfloat16 path below (run_dot) reads a one-row product's
+// weights faster than oneDNN. Here the weights stay in their 16-bit dtype, reordered once at
+// load into panels of 16 output columns, k-major:
 //
 //     panels [P, K, 16]: panels[p, k, j] = W[16p + j, k]  (zero past the last output)
 //

@@ -8,10 +8,12 @@ Two fast paths, both static per traced bucket:
   one decode step's 121 products on one thread took 37-40 ms at 4-16 rows against 25 ms packed
   (bench/bench_projections.py), and prefill gains too. The packed tensors are graph inputs like
   any weight (backends/weights.py), so a traced graph holds the packed call.
-* **Panels** for x86 CPUs without AMX. Without bfloat16 dot products (AVX2; AVX-512 without
+* **Panels** for x86 CPUs. Without bfloat16 dot products (AVX2; AVX-512 without
   avx512_bf16) torch's bfloat16 GEMM is 5-8x slower than its float32 one and oneDNN cannot pack
   bfloat16; with AVX512-BF16 but no AMX (AMD Zen 4) oneDNN packs it, but our kernel reads a
-  one-row product's weights 1.5-1.8x faster and keeps up from 16 rows on. `pack_panels`
+  one-row product's weights 1.5-1.8x faster and keeps up from 16 rows on; with AMX (Intel
+  Sapphire Rapids) our kernel runs the pairs on AMX tiles, faster than oneDNN's packed weights
+  from 1 to 512 rows. `pack_panels`
   reorders each weight once into [ceil(out / 16), in, 16] panels in its own dtype, multiplied by
   our kernel (`torch.ops.nxdi.panel_linear`, kernels/panel_linear.cpp): in float32, or on the
   CPU's bfloat16 dot products for bfloat16 inputs where it has them.
