@@ -126,13 +126,17 @@ def test_amx_tiles_give_the_rounded_exact_product(ops, rows, in_features):
 
 @needs_amx_tiles
 def test_amx_tiles_beside_onednn_amx_products_on_two_threads(ops):
-    """oneDNN's packed bf16 products (its own AMX kernels here) set the same per-thread tile
-    configuration; ours, called in between on two threads, loads its own each time and both
-    stay right."""
+    """oneDNN's packed bf16 products and the causal attention's brgemm (AMX kernels of their own
+    here) set the same per-thread tile configuration; ours, called in between on two threads,
+    loads its own each time and releases it, and all stay right."""
     from nxdi_common.modules.linear import onednn_ops, pack_weight
     g = torch.Generator().manual_seed(7)
     w1, w2 = torch.randn(96, 256, generator=g).bfloat16(), torch.randn(40, 96, generator=g).bfloat16()
     packed, pairs = pack_weight(w1), pack_panels(w2, pairs=True)
+    q = torch.randn(1, 9, 100, 64, generator=g).bfloat16()
+    k, v = torch.randn(1, 3, 100, 64, generator=g).bfloat16(), torch.randn(1, 3, 100, 64).bfloat16()
+    attention = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                               enable_gqa=True).transpose(1, 2)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -140,8 +144,10 @@ def test_amx_tiles_beside_onednn_amx_products_on_two_threads(ops):
             x = torch.randn(rows, 256, generator=g).bfloat16()
             h = onednn_ops()[0](x, packed, None)
             assert torch.allclose(h.float(), x.float() @ w1.float().T, rtol=2e-2, atol=2e-2)
-            y = ops.panel_linear(h, pairs, 40)
-            assert_rounded_product(y, h, w2)
+            assert_rounded_product(ops.panel_linear(h, pairs, 40), h, w2)
+            torch.testing.assert_close(ops.causal_attention(q, k, v, 0.125).float(), attention,
+                                       rtol=2e-2, atol=2e-2)
+            assert_rounded_product(ops.panel_linear(h, pairs, 40), h, w2)
             assert torch.allclose(onednn_ops()[0](x, packed, None).float(), h.float())
     finally:
         torch.set_num_threads(previous)
