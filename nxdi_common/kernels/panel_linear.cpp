@@ -320,9 +320,9 @@ bool amx_granted() {
 
 // Rows from which a product runs on AMX tiles (NXDI_PANEL_AMX_MIN_ROWS, read once; 0 turns the
 // tiles off, for comparisons): below it the dot-product path. By default every product: on the
-// Intel VM (Sapphire Rapids, 2 vCPUs) the 121 products of a decode step took 10.9-11.1 ms on the
-// tiles at one row against 12.9-13.6 on the dot products and 15 with oneDNN-packed weights (two
-// threads; bench/bench_projections.py), 12.3 ms against 27-49 and 16 at 16 rows.
+// Intel VM (2 vCPUs, two threads, bench/bench_projections.py) a decode step's 121 products took
+// 10.9-11.1 ms on the tiles at one row, 12.1-13.6 on the dot products, 15.1-15.3 with
+// oneDNN-packed weights; at 16 rows 12.3, 27.4 and 15.8-15.9 ms.
 int64_t amx_min_rows() {
   static const int64_t rows = [] {
     const char* env = std::getenv("NXDI_PANEL_AMX_MIN_ROWS");
