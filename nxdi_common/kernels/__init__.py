@@ -2,12 +2,14 @@
 
 One library, built (once per source, torch version and CPU) from `paged_attention.cpp`
 (`torch.ops.nxdi.paged_decode_attention`), `fused_ops.cpp` (`torch.ops.nxdi.rms_norm`,
-`rope_qk`, `rope_qk_store`, `silu_mul`, `topk`), `causal_attention.cpp` (`torch.ops.nxdi.causal_attention`,
-context encoding's attention, and `chunk_attention`, a prompt chunk's over the cache) and `panel_linear.cpp` (`torch.ops.nxdi.panel_linear`, linear layers
-in bf16 panels, on AMX tiles where the CPU has them), which share `simd.h`. `paged_attention()` and `fused_ops()`
-build and load it. The build needs a C++ compiler and ninja (both on the target machines; the
-`ninja` wheel is a dependency); where it fails, `kernels_unavailable_reason()` says why and the
-models keep the torch paths. Build output lands under $NXDI_KERNEL_CACHE (default ~/.cache/nxdi_serving/kernels)."""
+`rope_qk`, `rope_qk_store`, `silu_mul`, `topk`), `causal_attention.cpp`
+(`torch.ops.nxdi.causal_attention`, context encoding's attention, and `chunk_attention`, a prompt
+chunk's over the cache) and `panel_linear.cpp` (`torch.ops.nxdi.panel_linear`, linear layers in
+bf16 panels, on AMX tiles where the CPU has them), which share `simd.h`. `paged_attention()` and
+`fused_ops()` build and load it. The build needs a C++ compiler and ninja (both on the target
+machines; the `ninja` wheel is a dependency); where it fails, `kernels_unavailable_reason()` says
+why and the models keep the torch paths. Build output lands under $NXDI_KERNEL_CACHE (default
+~/.cache/nxdi_serving/kernels)."""
 from __future__ import annotations
 
 import functools
