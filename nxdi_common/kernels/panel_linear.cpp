@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -46,7 +47,6 @@
 
 #include <sys/syscall.h>
 #include <unistd.h>
-#include <cstdlib>
 
 namespace {
 
@@ -109,15 +109,16 @@ void panel_rows(const Problem& pb, const float* x, const W* panel, int64_t p, in
 // Tasks are (group of panels, block of rows), panel-major: a thread's tasks walk its panels once
 // and the input rows (kept within kRowBlockBytes a block; x_bytes per input value) again for each
 // group; a block's rows are a multiple of the tile's. panel(p, np, m0, m1, scratch) computes
-// rows [m0, m1) of the np (at most `step`) panels from p.
-template <typename F>
+// rows [m0, m1) of the np (at most `step`) panels from p; `scratch` is one Scratch per parallel
+// chunk, made before its first task and destroyed after its last.
+template <typename Scratch = std::vector<float>, typename F>
 void for_each_task(const Problem& pb, int64_t x_bytes, int64_t tile, int step, F&& panel) {
   const int64_t block_rows = std::max<int64_t>(
       tile, kRowBlockBytes / (x_bytes * std::max<int64_t>(pb.K, 1)) / tile * tile);
   const int64_t row_blocks = (pb.M + block_rows - 1) / block_rows;
   const int64_t groups = (pb.P + kPanelsPerTask - 1) / kPanelsPerTask;
   at::parallel_for(0, groups * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
+    Scratch scratch;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / row_blocks, rb = task % row_blocks;
       const int64_t m_end = std::min(pb.M, (rb + 1) * block_rows);
@@ -400,48 +401,44 @@ void amx_block(const BF16* x, int64_t K, const BF16* p0, const BF16* p1, int row
   }
 }
 
+// One parallel chunk's AMX state: the C tiles' and the K tail's scratch, and the rows the loaded
+// tile configuration is for (-1: none yet); the tiles are released when the chunk ends.
+struct AmxChunk {
+  alignas(64) float c[2 * kAmxBlockRows * kNR];
+  alignas(64) BF16 tail_a[kAmxBlockRows * kAmxK];
+  alignas(64) BF16 tail_b[2 * kAmxRows * 2 * kNR];
+  int configured = -1;
+  ~AmxChunk() {
+    if (configured >= 0) _tile_release();
+  }
+  void configure(int rows) {
+    if (rows == configured) return;
+    configure_tiles(std::min(rows, kAmxRows), std::max(rows - kAmxRows, 0));
+    configured = rows;
+  }
+};
+
 void run_amx(const Problem& pb, const BF16* x, const BF16* pairs, const BF16* bias,
              const BF16* residual, BF16* out) {
   const int64_t stride = (pb.K + 1) / 2 * 2 * kNR;  // values a panel
-  const int64_t block_rows = std::max<int64_t>(
-      kAmxBlockRows,
-      kRowBlockBytes / (static_cast<int64_t>(sizeof(BF16)) * std::max<int64_t>(pb.K, 1)) /
-          kAmxBlockRows * kAmxBlockRows);
-  const int64_t row_blocks = (pb.M + block_rows - 1) / block_rows;
-  const int64_t groups = (pb.P + kPanelsPerTask - 1) / kPanelsPerTask;
-  at::parallel_for(0, groups * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[2 * kAmxBlockRows * kNR];
-    alignas(64) BF16 tail_a[kAmxBlockRows * kAmxK];
-    alignas(64) BF16 tail_b[2 * kAmxRows * 2 * kNR];
-    int configured = -1;  // rows of the loaded configuration
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / row_blocks, rb = task % row_blocks;
-      const int64_t m_end = std::min(pb.M, (rb + 1) * block_rows);
-      const int64_t p_end = std::min(pb.P, (g + 1) * kPanelsPerTask);
-      for (int64_t p = g * kPanelsPerTask; p < p_end; p += 2) {
-        const int np = static_cast<int>(std::min<int64_t>(2, p_end - p));
-        const BF16* p0 = pairs + p * stride;
-        for (int64_t m = rb * block_rows; m < m_end; m += kAmxBlockRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kAmxBlockRows, m_end - m));
-          if (rows != configured) {
-            configure_tiles(std::min(rows, kAmxRows), std::max(rows - kAmxRows, 0));
-            configured = rows;
-          }
-          const BF16* xm = x + m * pb.K;
-          const bool two_a = rows > kAmxRows;
-          if (np == 2)
-            (two_a ? amx_block<true, true> : amx_block<false, true>)(xm, pb.K, p0, p0 + stride,
-                                                                     rows, c, tail_a, tail_b);
-          else
-            (two_a ? amx_block<true, false> : amx_block<false, false>)(xm, pb.K, p0, p0, rows, c,
-                                                                       tail_a, tail_b);
-          for (int q = 0; q < np; ++q)
-            store_tile(c + q * kAmxBlockRows * kNR, rows, m, (p + q) * kNR, pb, bias, residual,
-                       out);
-        }
-      }
+  for_each_task<AmxChunk>(pb, sizeof(BF16), kAmxBlockRows, 2, [&](int64_t p, int np, int64_t m0,
+                                                                  int64_t m1, AmxChunk& ch) {
+    const BF16* p0 = pairs + p * stride;
+    for (int64_t m = m0; m < m1; m += kAmxBlockRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kAmxBlockRows, m1 - m));
+      ch.configure(rows);
+      const BF16* xm = x + m * pb.K;
+      const bool two_a = rows > kAmxRows;
+      if (np == 2)
+        (two_a ? amx_block<true, true> : amx_block<false, true>)(xm, pb.K, p0, p0 + stride, rows,
+                                                                 ch.c, ch.tail_a, ch.tail_b);
+      else
+        (two_a ? amx_block<true, false> : amx_block<false, false>)(xm, pb.K, p0, p0, rows, ch.c,
+                                                                   ch.tail_a, ch.tail_b);
+      for (int q = 0; q < np; ++q)
+        store_tile(ch.c + q * kAmxBlockRows * kNR, rows, m, (p + q) * kNR, pb, bias, residual,
+                   out);
     }
-    if (configured >= 0) _tile_release();
   });
 }
 #endif  // AMX
