@@ -93,3 +93,39 @@ def test_kv_cache_dtype_option_reaches_both_workers_and_the_launcher():
     args = model_args(LaunchSpec(kv_cache_dtype="fp8"), threads=1)
     assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
     assert "--kv-cache-dtype" not in model_args(LaunchSpec(), threads=1)
+
+
+def test_prefill_workers_pack_bf16_weights_for_onednn(monkeypatch, tmp_path):
+    """A prefill worker only encodes prompts, where oneDNN's packed weights beat the panels that
+    "auto" picks for models that also decode: its bfloat16 weights go to oneDNN wherever oneDNN
+    packs bfloat16, and its compiled model uses them; float32, int8 and CPUs where oneDNN cannot
+    keep "auto", and so does every decode worker."""
+    from nxdi_common.modules import linear
+    monkeypatch.setattr(linear, "onednn_unavailable_reason", lambda dtype: None)
+    bf16 = worker.ModelOptions(max_model_len=96)
+    assert worker.prefill_neuron_config(bf16, 2, 1).cpu_weight_layout == "onednn"
+    assert worker.decode_neuron_config(bf16, 4, 64, 16).cpu_weight_layout == "auto"
+    for opts in (worker.ModelOptions(max_model_len=96, dtype="float32"),
+                 worker.ModelOptions(max_model_len=96, quantize="int8")):
+        assert worker.prefill_neuron_config(opts, 2, 1).cpu_weight_layout == "auto"
+    monkeypatch.setattr(linear, "onednn_unavailable_reason", lambda dtype: "no oneDNN here")
+    assert worker.prefill_neuron_config(bf16, 2, 1).cpu_weight_layout == "auto"
+    monkeypatch.undo()
+
+    if linear.onednn_unavailable_reason(torch.bfloat16) is not None:
+        pytest.skip("oneDNN cannot pack bfloat16 weights on this CPU")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                      max_position_embeddings=256)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
+    opts = worker.ModelOptions(model=str(tmp_path / "ckpt"), max_model_len=64,
+                               compiled_root=str(tmp_path / "compiled"))
+    model = worker.load_model(opts, worker.prefill_neuron_config(opts, 2, 1))
+    assert model.weight_layout == "onednn"
+    ids = torch.randint(0, 128, (1, 20))
+    ref = LlamaForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(ids).logits[0, -1]
+    got = model.forward(ids).logits.reshape(-1, 128)[-1].float()
+    assert torch.allclose(got, expected, atol=0.05, rtol=0.05), (got - expected).abs().max()

@@ -125,7 +125,23 @@ def prefill_neuron_config(opts: ModelOptions, max_batch_size: int, ctx_batch_siz
     """Flat KV cache, one row per prompt being encoded; CTE batches of up to ctx_batch_size
     prompts, of several prompts only within max_batch_tokens padded tokens."""
     return _neuron_config(opts, max_batch_size=max_batch_size, ctx_batch_size=ctx_batch_size,
-                          tkg_batch_size=1, max_context_batch_tokens=max_batch_tokens)
+                          tkg_batch_size=1, max_context_batch_tokens=max_batch_tokens,
+                          cpu_weight_layout=prefill_weight_layout(opts))
+
+
+def prefill_weight_layout(opts: ModelOptions) -> str:
+    """A prefill worker's cpu_weight_layout. Its products are whole prompts, tens to thousands of
+    rows, where the choice "auto" makes for a model that also decodes (our panels where they win
+    at 1 to 32 rows) is the slower one: with oneDNN's packed weights the bundled model's prompts
+    encode 1.13x / 1.25x / 1.32x faster at 128 / 512 / 1536 tokens on one thread of the Intel VM
+    with AMX (BENCHMARKS.md, session 23), and the prefill products ran 2-6% faster on the AMD
+    Zen 4 VM (session 13). So "onednn" for bfloat16 weights wherever oneDNN packs them, else
+    "auto" (without bf16 support oneDNN cannot; int8 weights keep their own kernels)."""
+    import torch
+    if opts.dtype != "bfloat16" or opts.quantize:
+        return "auto"
+    from nxdi_common.modules.linear import onednn_unavailable_reason
+    return "onednn" if onednn_unavailable_reason(torch.bfloat16) is None else "auto"
 
 
 def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: int,
