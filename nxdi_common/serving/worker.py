@@ -133,9 +133,10 @@ def prefill_weight_layout(opts: ModelOptions) -> str:
     """A prefill worker's cpu_weight_layout. Its products are whole prompts, tens to thousands of
     rows, where the choice "auto" makes for a model that also decodes (our panels where they win
     at 1 to 32 rows) is the slower one: with oneDNN's packed weights the bundled model's prompts
-    encode 1.13x / 1.25x / 1.32x faster at 128 / 512 / 1536 tokens on one thread of the Intel VM
-    with AMX (BENCHMARKS.md, session 23), and the prefill products ran 2-6% faster on the AMD
-    Zen 4 VM (session 13). So "onednn" for bfloat16 weights wherever oneDNN packs them, else
+    encode as fast at 128 tokens, 1.00-1.18x faster at 512, 1.17-1.26x at 1024, 1.29-1.34x at
+    1536 and 1.35x at 2048 on one core of the Intel VM with AMX (bench/bench_prefill.py,
+    BENCHMARKS.md session 23), and the prefill products ran 2-6% faster on the AMD Zen 4 VM
+    (session 13). So "onednn" for bfloat16 weights wherever oneDNN packs them, else
     "auto" (without bf16 support oneDNN cannot; int8 weights keep their own kernels)."""
     import torch
     if opts.dtype != "bfloat16" or opts.quantize:
