@@ -64,9 +64,11 @@ def _median_time(fn, repeats: int = 3) -> float:
 
 
 def build_ours(model_dir: str, dtype, batch: int, compiled_root: Path, int8: bool = False,
-               kv_layout: str = "flat", weight_layout: str = "auto"):
-    """Compiled and loaded; with int8, weights quantized per channel (written once)."""
-    from nxdi_common.config import NeuronConfig
+               kv_layout: str = "flat", weight_layout: str = "auto", sampling: str = "device"):
+    """Compiled and loaded; with int8, weights quantized per channel (written once). sampling
+    "device": greedy on-device sampling (the graph returns the argmax token, as NxD Inference and
+    our workers run); "host": the graph returns logits and the caller takes the argmax."""
+    from nxdi_common.config import NeuronConfig, OnDeviceSamplingConfig
     from nxdi_common.models.llama import NeuronLlamaForCausalLM
     quant = dict(quantized=True, quantization_type="per_channel_symmetric",
                  quantized_checkpoints_path=str(compiled_root / "int8-per-channel")) if int8 else {}
@@ -78,13 +80,16 @@ def build_ours(model_dir: str, dtype, batch: int, compiled_root: Path, int8: boo
     nc = NeuronConfig(batch_size=batch, seq_len=PROMPT_LEN + NEW_TOKENS, torch_dtype=dtype,
                       enable_bucketing=True, context_encoding_buckets=[PROMPT_LEN],
                       token_generation_buckets=[PROMPT_LEN + NEW_TOKENS], backend="cpu",
-                      fused_qkv=True, cpu_weight_layout=weight_layout, **quant, **layout)
+                      fused_qkv=True, cpu_weight_layout=weight_layout, **quant, **layout,
+                      on_device_sampling_config=(OnDeviceSamplingConfig(do_sample=False)
+                                                 if sampling == "device" else None))
     model = NeuronLlamaForCausalLM(model_dir, neuron_config=nc)
     if int8 and not Path(quant["quantized_checkpoints_path"]).is_dir():
         NeuronLlamaForCausalLM.save_quantized_state_dict(model_dir, model.config)
     path = compiled_root / (f"b{batch}-{str(dtype).split('.')[-1]}{'-int8' if int8 else ''}"
                             f"{'-block' if kv_layout == 'block' else ''}"
-                            f"{'' if weight_layout == 'auto' else '-' + weight_layout}")
+                            f"{'' if weight_layout == 'auto' else '-' + weight_layout}"
+                            f"{'-ods' if sampling == 'device' else ''}")
     model.compile(str(path))
     model.load(str(path))
     return model, path
@@ -97,12 +102,17 @@ def ours_decode(model, batch: int, repeats: int = 3) -> float:
     rates = []
     for _ in range(repeats):
         model.reset()
-        nxt = model(ids).logits.argmax(-1)
+        nxt = next_tokens(model(ids))
         start = time.perf_counter()
         for _ in range(NEW_TOKENS):
-            nxt = model(nxt[:, None]).logits.argmax(-1)
+            nxt = next_tokens(model(nxt[:, None]))
         rates.append(batch * NEW_TOKENS / (time.perf_counter() - start))
     return statistics.median(rates)
+
+
+def next_tokens(out) -> torch.Tensor:
+    """[B]: the tokens sampled on device, else the argmax of the returned logits."""
+    return out.tokens if out.tokens is not None else out.logits.argmax(-1)
 
 
 def ours_prefill(model) -> float:
@@ -174,6 +184,9 @@ def main(argv=None) -> int:
                    help="our KV cache: flat rows, or blocks with the paged attention kernel")
     p.add_argument("--weight-layout", choices=("auto", "onednn", "panels", "plain"),
                    default="auto", help="NeuronConfig.cpu_weight_layout of our model")
+    p.add_argument("--sampling", choices=("device", "host"), default="device",
+                   help="greedy next token: on-device sampling in our graph (NxD Inference's way, "
+                        "and our workers'), or argmax of the returned logits on the host")
     p.add_argument("--int8", action="store_true",
                    help="also measure int8 weights (per-channel, torch's weight-only int8 kernel)")
     args = p.parse_args(argv)
@@ -185,18 +198,20 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     compiled_root = Path(args.out).parent / "compiled"
     res = {"dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
-           "kv_layout": args.kv_layout, "weight_layout": args.weight_layout}
+           "kv_layout": args.kv_layout, "weight_layout": args.weight_layout,
+           "sampling": args.sampling}
     res["read_bandwidth_gbs"] = read_bandwidth_gbs()
     res["weight_bytes"] = weight_bytes(model_dir, dtype)
     res["bound_tok_s"] = res["read_bandwidth_gbs"] * 1e9 / res["weight_bytes"]
     ours, path1 = speed_figures(model_dir, dtype, compiled_root, kv_layout=args.kv_layout,
-                                weight_layout=args.weight_layout)
+                                weight_layout=args.weight_layout, sampling=args.sampling)
     ours.update(load_memory(model_dir, path1))
     res["nxdi"] = ours
     if args.int8:
         res["nxdi_int8"] = speed_figures(model_dir, dtype, compiled_root, int8=True,
                                          kv_layout=args.kv_layout,
-                                         weight_layout=args.weight_layout)[0]
+                                         weight_layout=args.weight_layout,
+                                         sampling=args.sampling)[0]
     if not args.skip_hf:
         res["transformers"] = hf_figures(model_dir, dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -206,14 +221,15 @@ def main(argv=None) -> int:
 
 
 def speed_figures(model_dir: str, dtype, compiled_root: Path, int8: bool = False,
-                  kv_layout: str = "flat", weight_layout: str = "auto"):
+                  kv_layout: str = "flat", weight_layout: str = "auto", sampling: str = "device"):
     """(prefill and decode tokens/s, the batch-1 compiled folder) of our model."""
-    model, path1 = build_ours(model_dir, dtype, 1, compiled_root, int8, kv_layout, weight_layout)
+    model, path1 = build_ours(model_dir, dtype, 1, compiled_root, int8, kv_layout, weight_layout,
+                              sampling)
     out = {"prefill_tok_s": ours_prefill(model),
            "decode_b1_tok_s": max(ours_decode(model, 1) for _ in range(2))}
     del model
     model, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root, int8, kv_layout,
-                          weight_layout)
+                          weight_layout, sampling)
     out[f"decode_b{BIG_BATCH}_tok_s"] = ours_decode(model, BIG_BATCH)
     return out, path1
 

@@ -191,6 +191,28 @@ def test_sampler_uses_the_fused_topk_only_when_set(ops):
     assert torch.equal(sampler(logits, params, rand), want)
 
 
+def test_greedy_sampler_with_the_fused_op_is_argmax(ops):
+    """A greedy config's sampler reads the argmax from the fused top-1 scan: torch.argmax's
+    first index among tied maxima, a NaN row's first NaN, in float32 and bf16."""
+    from nxdi_common.config import OnDeviceSamplingConfig
+    from nxdi_common.modules.sampling import Sampler
+    sampler = Sampler(OnDeviceSamplingConfig(do_sample=False))
+    sampler.fused = ops
+    logits = torch.randn(16, 49152, generator=torch.Generator().manual_seed(5)) * 3
+    logits[3, [40000, 17, 9000]] = 99.0  # tie: argmax takes 17
+    logits[4, [300, 200]] = float("nan")  # NaN is the maximum: the first NaN, 200
+    logits[5] = -1.0  # all equal: 0
+    logits[6, 49151] = float("inf")
+    for x in (logits, logits.bfloat16()):
+        tokens = sampler(x)
+        assert tokens.dtype == torch.int64 and tokens.shape == (16,)
+        assert torch.equal(tokens, x.float().argmax(dim=-1))
+    assert sampler(logits)[3:7].tolist() == [17, 200, 0, 49151]
+    traced = torch.jit.trace(sampler, (logits,))
+    shuffled = logits[:, torch.randperm(49152, generator=torch.Generator().manual_seed(6))]
+    assert torch.equal(traced(shuffled), shuffled.argmax(dim=-1))
+
+
 def test_bad_shapes_are_refused_with_the_field(ops):
     with pytest.raises(RuntimeError, match="rms_norm: weight must be"):
         ops.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-5)
