@@ -149,7 +149,7 @@ inline void rope_head(const T* xr, const T* c, const T* sn, T* yr, int64_t d) {
 template <typename T, typename Dest>
 void rope_rows(const T* x, const T* cos, const T* sin, int64_t rows, int64_t heads,
                int64_t rotated, int64_t d, Dest&& dest) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t bs = begin; bs < end; ++bs) {
       for (int64_t h = 0; h < heads; ++h) {
         const T* xr = x + (bs * heads + h) * d;
