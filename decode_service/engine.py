@@ -54,6 +54,7 @@ KV room and nothing is ever preempted. Every sequence's blocks are freed exactly
 finishes, fails or is cancelled (``drop``)."""
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -108,8 +109,13 @@ class EngineConfig:
 class DecodeEngine:
     """Continuous batching over a block KV cache (see the module doc)."""
 
-    def __init__(self, model, tokenizer, eos_ids, config: EngineConfig, metrics=None):
+    def __init__(self, model, tokenizer, eos_ids, config: EngineConfig, metrics=None,
+                 runner=None):
+        """runner: the ComputeThread (nxdi_common.serving.compute) that loaded the model, to run
+        the engine loop on; None: a thread of its own."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self._runner = runner
+        self._done = None  # the loop's future on the runner
         self.eos_ids = frozenset(eos_ids)
         self.metrics = metrics
         self.blocks = BlockManager(config.num_blocks, config.block_size,
@@ -145,12 +151,18 @@ class DecodeEngine:
     # ---- asyncio side ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        if self._runner is None:
+            self._thread.start()
+        else:
+            self._done = self._runner.submit(self._run)
 
     def stop(self) -> None:
         self._stopping = True
         self._commands.put(("stop", None))
-        self._thread.join(timeout=30)
+        if self._done is not None:
+            concurrent.futures.wait([self._done], timeout=30)
+        elif self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     def admit(self, job, max_tokens: int, emit) -> Sequence:
         """Reserve blocks for the prompt plus max_tokens and return the new sequence, or raise

@@ -12,6 +12,7 @@ from decode_service.server import DecodeServicer
 from nxdi_common import kv_transfer
 from nxdi_common.bucketing import parse_buckets, validate_buckets
 from nxdi_common.serving import grpc_server, worker
+from nxdi_common.serving.compute import ComputeThread
 from nxdi_common.serving.metrics import ServingMetrics
 from nxdi_common.serving.types import ModelLimits
 
@@ -99,7 +100,9 @@ def build(args):
                          f"{args.prefill_chunk_tokens}")
     nc = worker.decode_neuron_config(opts, args.max_batch_size, args.kv_blocks, args.block_size,
                                      args.prefill_chunk_tokens, _piece_sizes(args))
-    model = worker.load_model(opts, nc)
+    # the model loads, and the engine loop runs, on one thread (nxdi_common/serving/compute.py)
+    compute = ComputeThread(opts.threads, "decode-engine")
+    model = compute.call(worker.load_model, opts, nc)
     tokenizer = worker.load_tokenizer(opts)
     fingerprint = worker.model_fingerprint(model, opts)
     metrics = ServingMetrics("decode")
@@ -108,7 +111,7 @@ def build(args):
                           *(None if ms is None else ms / 1000 for ms in (
                               args.tpot_target_ms, args.itl_target_ms, args.ttft_target_ms)))
     engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
-                          metrics)
+                          metrics, runner=compute)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))
     puller = KVPuller(engine, channels, fingerprint, args.max_chunk_bytes, metrics,
                       args.kv_pull_timeout_seconds, kv_socket=args.kv_socket == "on")

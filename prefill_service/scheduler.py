@@ -12,6 +12,7 @@ length bucket and run on one dedicated worker thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -209,7 +210,9 @@ class PrefillEngine:
     called (from either thread) whenever those counts change."""
 
     def __init__(self, model, scheduler: PrefillScheduler,
-                 on_change: Callable[[int, int], None] | None = None):
+                 on_change: Callable[[int, int], None] | None = None, runner=None):
+        """runner: the ComputeThread (nxdi_common.serving.compute) that loaded the model, to run
+        the batches on; None: a thread of its own."""
         rows = model.neuron_config.max_batch_size
         if scheduler.ctx_batch_size > rows:
             raise ValueError(f"ctx_batch_size {scheduler.ctx_batch_size} exceeds the KV cache's "
@@ -223,10 +226,14 @@ class PrefillEngine:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._runner, self._done = runner, None  # the loop's future on the runner
 
     def start(self) -> None:
-        """Start the worker thread (idempotent)."""
-        if self._thread is None:
+        """Start the worker loop (idempotent)."""
+        if self._runner is not None:
+            if self._done is None:
+                self._done = self._runner.submit(self._loop)
+        elif self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
             self._thread.start()
 
@@ -240,6 +247,8 @@ class PrefillEngine:
             deliver(task, error=Unavailable("prefill worker is shutting down"))
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._done is not None:
+            concurrent.futures.wait([self._done], timeout)
 
     def submit(self, job: PrefillJob, heads: tuple[int, int]) -> PrefillTask:
         """Queue a validated job (Overloaded when the queue is full); await ``task.future``."""

@@ -18,6 +18,7 @@ from nxdi_common import kv_transfer
 from nxdi_common.kv_transfer import ModelFingerprint, fingerprint_mismatch
 from nxdi_common.serving import kv_socket as kvs
 from nxdi_common.serving import worker
+from nxdi_common.serving.compute import ComputeThread
 from nxdi_common.serving.errors import FailedPrecondition, InvalidRequest, Overloaded
 from nxdi_common.serving.grpc_server import GrpcServer, install_shutdown, print_ready
 from nxdi_common.serving.metrics import ServingMetrics
@@ -266,14 +267,14 @@ class PrefillApp:
     """A prefill worker: engine, servicer, gRPC server and metrics around one loaded model."""
 
     def __init__(self, model, fingerprint: ModelFingerprint, settings: PrefillSettings,
-                 metrics: ServingMetrics | None = None):
+                 metrics: ServingMetrics | None = None, runner=None):
         self.settings = settings
         self.metrics = metrics or ServingMetrics("prefill")
         cte = model.context_encoding_model
         scheduler = PrefillScheduler(cte.length_buckets, settings.ctx_batch_size,
                                      settings.max_queued_requests,
                                      {n: cte.max_batch(n) for n in cte.length_buckets})
-        self.engine = PrefillEngine(model, scheduler, self._on_change)
+        self.engine = PrefillEngine(model, scheduler, self._on_change, runner)
         limits = ModelLimits(model.neuron_config.seq_len, model.config.vocab_size)
         self.servicer = PrefillServicer(self.engine, fingerprint, limits, self.metrics, settings)
         self.grpc: GrpcServer | None = None
@@ -364,11 +365,13 @@ def load_app(args: argparse.Namespace) -> PrefillApp:
     opts = worker.model_options_from_args(args)
     config = worker.prefill_neuron_config(opts, settings.max_batch_size, settings.ctx_batch_size,
                                           settings.max_batch_tokens)
-    model = worker.load_model(opts, config)
+    # the model loads, and its batches run, on one thread (nxdi_common/serving/compute.py)
+    compute = ComputeThread(opts.threads, "prefill-engine")
+    model = compute.call(worker.load_model, opts, config)
     fingerprint = worker.model_fingerprint(model, opts)
     if args.model_name:
         fingerprint = dataclasses.replace(fingerprint, model_name=args.model_name)
-    return PrefillApp(model, fingerprint, settings)
+    return PrefillApp(model, fingerprint, settings, runner=compute)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -539,9 +539,20 @@ void write_prompt_kv(at::Tensor& cache, int64_t layer_start, const at::Tensor& t
 #endif
 }
 
+// The calling thread's torch intra-op thread count as this library's at::parallel_for uses it.
+// at::parallel_for gives a thread its count on its first call, from torch's process-wide default
+// (the last count set on any thread), through an inline function with a per-thread "done" flag:
+// this library has its own copy of that flag, apart from libtorch's. A thread whose count must
+// not follow that default (nxdi_common/serving/compute.py) calls this right after setting it.
+int64_t thread_count() {
+  at::internal::lazy_init_num_threads();
+  return at::get_num_threads();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nxdi, m) {
+  m.def("thread_count() -> int");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_qk(Tensor x, Tensor cos, Tensor sin, int rotated) -> Tensor");
   m.def("rope_qk_store(Tensor x, Tensor cos, Tensor sin, int q_heads, Tensor(a!) cache, "
@@ -561,4 +572,8 @@ TORCH_LIBRARY_IMPL(nxdi, CPU, m) {
   m.impl("topk", &topk);
   m.impl("copy_blocks", &copy_blocks);
   m.impl("write_prompt_kv", &write_prompt_kv);
+}
+
+TORCH_LIBRARY_IMPL(nxdi, CatchAll, m) {
+  m.impl("thread_count", &thread_count);
 }

@@ -204,13 +204,12 @@ def quantized_dir(opts: ModelOptions) -> Path:
 
 
 def load_model(opts: ModelOptions, neuron_config):
-    """Build, compile (once, cached by configuration) or load, and return the application."""
-    import torch
+    """Build, compile (once, cached by configuration) or load, and return the application. Call
+    it on the worker's ComputeThread (nxdi_common/serving/compute.py), which holds opts.threads
+    torch threads, the thread that then runs the model."""
     from nxdi_common.models.llama import NeuronLlamaForCausalLM
     from nxdi_common.runtime import keep_large_buffers_in_heap
     keep_large_buffers_in_heap()
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
     model_dir = opts.model_dir()
     model = NeuronLlamaForCausalLM(str(model_dir), neuron_config=neuron_config)
     if neuron_config.quantized and not Path(neuron_config.quantized_checkpoints_path).is_dir():
