@@ -67,6 +67,7 @@ import torch
 from nxdi_common.application import CausalLMOutput
 from nxdi_common.block_manager import BlockManager
 from nxdi_common.modules.kv_cache import SequenceKVWriter
+from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving.errors import Overloaded
 from nxdi_common.serving.rates import PrefillRate, moving_average
 from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
@@ -115,7 +116,7 @@ class DecodeEngine:
         the engine loop on; None: a thread of its own."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self._runner = runner
-        self._done = None  # the loop's future on the runner
+        self._done = None  # the engine loop's future (compute.run_loop), once started
         self.eos_ids = frozenset(eos_ids)
         self.metrics = metrics
         self.blocks = BlockManager(config.num_blocks, config.block_size,
@@ -132,7 +133,6 @@ class DecodeEngine:
         # admitted and not released, by request id: a command or release for a sequence acts
         # only while its id still maps to it (an id may be reused once its sequence finished)
         self._live: dict[str, Sequence] = {}
-        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._stopping = False
         self.scratch_slot = model.scratch[1] * config.block_size
         # measured: a decode-only step's seconds, and the seconds a piece adds per prompt token
@@ -151,18 +151,13 @@ class DecodeEngine:
     # ---- asyncio side ---------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._runner is None:
-            self._thread.start()
-        else:
-            self._done = self._runner.submit(self._run)
+        self._done = run_loop(self._run, self._runner, "decode-engine")
 
     def stop(self) -> None:
         self._stopping = True
         self._commands.put(("stop", None))
         if self._done is not None:
             concurrent.futures.wait([self._done], timeout=30)
-        elif self._thread.is_alive():
-            self._thread.join(timeout=30)
 
     def admit(self, job, max_tokens: int, emit) -> Sequence:
         """Reserve blocks for the prompt plus max_tokens and return the new sequence, or raise

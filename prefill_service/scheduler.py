@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nxdi_common import bucketing
+from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving.errors import Overloaded, Unavailable
 from nxdi_common.serving.rates import PrefillRate
 from nxdi_common.serving.sampling import next_uniform, request_generator, token_logprobs
@@ -225,17 +226,13 @@ class PrefillEngine:
         self.rate = PrefillRate()  # measured over the batches run
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._runner, self._done = runner, None  # the loop's future on the runner
+        self._runner = runner
+        self._done = None  # the worker loop's future (compute.run_loop), once started
 
     def start(self) -> None:
         """Start the worker loop (idempotent)."""
-        if self._runner is not None:
-            if self._done is None:
-                self._done = self._runner.submit(self._loop)
-        elif self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
-            self._thread.start()
+        if self._done is None:
+            self._done = run_loop(self._loop, self._runner, "prefill-engine")
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop the worker thread after its current batch; waiting requests fail UNAVAILABLE."""
@@ -245,8 +242,6 @@ class PrefillEngine:
             self._cond.notify_all()
         for task in waiting:
             deliver(task, error=Unavailable("prefill worker is shutting down"))
-        if self._thread is not None:
-            self._thread.join(timeout)
         if self._done is not None:
             concurrent.futures.wait([self._done], timeout)
 

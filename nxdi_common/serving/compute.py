@@ -22,7 +22,7 @@ import concurrent.futures
 import queue
 import threading
 
-__all__ = ["ComputeThread", "use_torch_threads"]
+__all__ = ["ComputeThread", "run_loop", "use_torch_threads"]
 
 
 def use_torch_threads(threads: int | None) -> int:
@@ -49,9 +49,9 @@ class ComputeThread:
     """A daemon thread that runs submitted callables in order with ``threads`` torch threads.
 
     Creating one with more than one torch thread leaves the creating thread, and threads started
-    later, on one torch thread (module doc). ``call`` runs a function there and returns its result (or raises its
-    exception); ``submit`` returns a concurrent.futures.Future, e.g. for an engine loop that runs
-    until stopped."""
+    later, on one torch thread (module doc). ``call`` runs a function there and returns its
+    result (or raises its exception); ``submit`` returns a concurrent.futures.Future, e.g. for
+    an engine loop that runs until stopped."""
 
     def __init__(self, threads: int | None, name: str = "compute"):
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -74,13 +74,7 @@ class ComputeThread:
             ready.set_exception(exc)
             return
         while (task := self._tasks.get()) is not None:
-            future, fn, args, kwargs = task
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
-                future.set_exception(exc)
+            _run_into(*task)
 
     def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
         if not self._thread.is_alive():
@@ -96,3 +90,22 @@ class ComputeThread:
         """Stop after the callables already submitted (waits up to ``timeout`` seconds)."""
         self._tasks.put(None)
         self._thread.join(timeout)
+
+
+def run_loop(fn, runner: ComputeThread | None, name: str) -> concurrent.futures.Future:
+    """Start ``fn`` (an engine loop) on ``runner``, or without one on a daemon thread of its own
+    named ``name``; the future completes when ``fn`` returns or raises."""
+    if runner is not None:
+        return runner.submit(fn)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    threading.Thread(target=_run_into, args=(future, fn, (), {}), name=name, daemon=True).start()
+    return future
+
+
+def _run_into(future: concurrent.futures.Future, fn, args, kwargs) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+        future.set_exception(exc)
