@@ -121,6 +121,12 @@ def _server_args(g) -> None:
                    "(default: the first two this process may use)")
     g.add_argument("--decode-max-batch-size", type=int, default=16)
     g.add_argument("--kv-blocks", type=int, default=1024)
+    g.add_argument("--prefill-order", choices=("arrival", "shortest"), help="disaggregated: the prefill "
+                   "worker's --order (arrival: oldest prompt first; shortest: shortest first, "
+                   "a prompt overtaken for at most --prefill-max-overtaken; default: the "
+                   "worker's)")
+    g.add_argument("--prefill-max-overtaken", type=float, metavar="SECONDS",
+                   help="disaggregated: the prefill worker's --max-overtaken-seconds")
 
 
 def _local_prefill_args(g) -> None:
@@ -271,7 +277,9 @@ def _compare_settings(args):
                           prefill_chunk_tokens=args.prefill_chunk_tokens,
                           decode_tpot_target_s=args.decode_tpot_target,
                           decode_itl_target_s=args.decode_itl_target,
-                          decode_ttft_target_s=args.decode_ttft_target)
+                          decode_ttft_target_s=args.decode_ttft_target,
+                          prefill_order=args.prefill_order,
+                          prefill_max_overtaken_s=args.prefill_max_overtaken)
     if args.cpus:
         serve.cpus = [int(c) for c in args.cpus.split(",")]
     out_dir = args.out_dir or Path("results/goodput") / (

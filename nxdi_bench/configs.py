@@ -45,6 +45,8 @@ class ServeSettings:
     decode_tpot_target_s: float | None = None  # ours: decode workers' --tpot-target-ms
     decode_itl_target_s: float | None = None  # ours: decode workers' --itl-target-ms
     decode_ttft_target_s: float | None = None  # ours: decode workers' --ttft-target-ms
+    prefill_order: str | None = None  # disaggregated: the prefill worker's --order
+    prefill_max_overtaken_s: float | None = None  # ... and its --max-overtaken-seconds
     startup_timeout_s: float = 900.0
 
 
@@ -75,8 +77,13 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
                            "--local-prefill-queue-tokens", str(s.local_prefill_queue_tokens)]
         if s.local_prefill_always_tokens:
             router_args += ["--local-prefill-always-tokens", str(s.local_prefill_always_tokens)]
+        prefill_args = []
+        if s.prefill_order is not None:
+            prefill_args += ["--order", s.prefill_order]
+        if s.prefill_max_overtaken_s is not None:
+            prefill_args += ["--max-overtaken-seconds", f"{s.prefill_max_overtaken_s:g}"]
         return LaunchSpec(prefill_workers=1, decode_workers=1, threads=1, cpus=cpus,
-                          router_args=router_args, **common)
+                          router_args=router_args, prefill_args=prefill_args, **common)
     if name == "aggregated":
         return LaunchSpec(prefill_workers=0, decode_workers=1, threads=max(1, len(s.cpus)),
                           cpus={"decode0": list(s.cpus)} if s.cpus else {}, **common)

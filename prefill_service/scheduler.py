@@ -2,8 +2,13 @@
 length bucket and run on one dedicated worker thread, never on the event loop.
 
 - :class:`PrefillScheduler` holds the waiting prompts and picks the next batch (no threads, no
-  torch): the oldest waiting prompt's bucket, then up to ``ctx_batch_size`` waiting prompts of
-  that bucket (fewer for long buckets under a batch token budget), oldest first.
+  torch): a length bucket, then up to ``ctx_batch_size`` waiting prompts of that bucket (fewer
+  for long buckets under a batch token budget), oldest first. The bucket: the oldest waiting
+  prompt's (``order="arrival"``), or the shortest waiting one's (``order="shortest"``) until the
+  oldest prompt has waited ``max_overtaken_s``, when its bucket goes next. Shortest first, a chat
+  prompt waits behind the batch running, not behind every long prompt queued before it: a
+  TTFT SLO is met by the many short prompts at the cost of a bounded delay to the few long ones
+  (BENCHMARKS.md, issue 4, session 25).
 - :class:`PrefillEngine` owns the model and its worker thread. Each batch runs CTE over rows
   ``0..B-1`` of the flat KV cache, samples the first tokens, copies every request's KV out of its
   cache row into the request's own tensors and so frees the rows before the next batch; the result
@@ -84,16 +89,27 @@ class LoadReport:
     prefill_tokens_per_s: float = 0.0  # measured; 0 until the first batch
 
 
+ORDERS = ("arrival", "shortest")
+
+
 class PrefillScheduler:
-    """Bounded FIFO of waiting prompts, batched by CTE length bucket."""
+    """Bounded queue of waiting prompts, batched by CTE length bucket (module doc)."""
 
     def __init__(self, length_buckets: list[int], ctx_batch_size: int, max_queued: int,
-                 batch_limits: dict[int, int] | None = None):
+                 batch_limits: dict[int, int] | None = None, order: str = "arrival",
+                 max_overtaken_s: float = 1.0, clock: Callable[[], int] = time.perf_counter_ns):
         """batch_limits: the most prompts a batch of each length bucket may hold (the model's
-        largest batch bucket of that length); ctx_batch_size where absent."""
+        largest batch bucket of that length); ctx_batch_size where absent. clock: nanoseconds,
+        the clock of PrefillTask.arrival_ns."""
         if ctx_batch_size < 1 or max_queued < 1:
             raise ValueError(f"ctx_batch_size ({ctx_batch_size}) and max_queued_requests "
                              f"({max_queued}) must be at least 1")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+        if not max_overtaken_s >= 0:
+            raise ValueError(f"max_overtaken_s must be >= 0 seconds, got {max_overtaken_s}")
+        self.order, self.max_overtaken_ns = order, int(max_overtaken_s * 1e9)
+        self.clock = clock
         self.length_buckets = list(length_buckets)
         self.ctx_batch_size, self.max_queued = ctx_batch_size, max_queued
         self.batch_limits = {n: max(1, min(ctx_batch_size, (batch_limits or {}).get(
@@ -118,10 +134,13 @@ class PrefillScheduler:
 
     def next_batch(self) -> list[PrefillTask]:
         """Take the next batch off the queue: up to the bucket's batch limit of waiting prompts
-        in the oldest waiting prompt's bucket, oldest first ([] when nothing waits)."""
+        in the next bucket (module doc), oldest first ([] when nothing waits)."""
         if not self.waiting:
             return []
-        bucket = self.waiting[0].bucket
+        oldest = self.waiting[0]
+        bucket = oldest.bucket
+        if self.order == "shortest" and self.clock() - oldest.arrival_ns < self.max_overtaken_ns:
+            bucket = min(t.bucket for t in self.waiting)
         batch = [t for t in self.waiting if t.bucket == bucket][:self.batch_limits[bucket]]
         for task in batch:
             self.waiting.remove(task)

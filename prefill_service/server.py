@@ -24,8 +24,8 @@ from nxdi_common.serving.grpc_server import GrpcServer, install_shutdown, print_
 from nxdi_common.serving.metrics import ServingMetrics
 from nxdi_common.serving.types import ModelLimits, PrefillJob, check_prompt
 from prefill_service import convert
-from prefill_service.scheduler import (LoadReport, PrefillEngine, PrefillOutput, PrefillScheduler,
-                                       PrefillTask)
+from prefill_service.scheduler import (ORDERS, LoadReport, PrefillEngine, PrefillOutput,
+                                       PrefillScheduler, PrefillTask)
 
 log = logging.getLogger("prefill_service")
 
@@ -49,6 +49,10 @@ class PrefillSettings:
     kv_socket_port: int = 0
     kv_socket_accept_seconds: float = kvs.DEFAULT_ACCEPT_TIMEOUT_SECONDS
     kv_socket_min_bytes: int = kvs.DEFAULT_MIN_PAYLOAD_BYTES
+    # Which waiting prompts go next (scheduler module doc): "arrival" (oldest first) or
+    # "shortest" (shortest length bucket first, until the oldest has waited max_overtaken_s).
+    order: str = "arrival"
+    max_overtaken_s: float = 1.0
 
     def __post_init__(self):
         for name in ("max_batch_size", "ctx_batch_size", "max_queued_requests",
@@ -63,6 +67,10 @@ class PrefillSettings:
         if not self.kv_socket_accept_seconds > 0:
             raise ValueError(f"kv_socket_accept_seconds must be > 0, got "
                              f"{self.kv_socket_accept_seconds}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if not self.max_overtaken_s >= 0:
+            raise ValueError(f"max_overtaken_s must be >= 0 seconds, got {self.max_overtaken_s}")
         if self.ctx_batch_size > self.max_batch_size:
             raise ValueError(f"ctx_batch_size {self.ctx_batch_size} exceeds max_batch_size "
                              f"{self.max_batch_size}; raise --max-batch-size")
@@ -273,7 +281,8 @@ class PrefillApp:
         cte = model.context_encoding_model
         scheduler = PrefillScheduler(cte.length_buckets, settings.ctx_batch_size,
                                      settings.max_queued_requests,
-                                     {n: cte.max_batch(n) for n in cte.length_buckets})
+                                     {n: cte.max_batch(n) for n in cte.length_buckets},
+                                     settings.order, settings.max_overtaken_s)
         self.engine = PrefillEngine(model, scheduler, self._on_change, runner)
         limits = ModelLimits(model.neuron_config.seq_len, model.config.vocab_size)
         self.servicer = PrefillServicer(self.engine, fingerprint, limits, self.metrics, settings)
@@ -331,6 +340,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "lost: long prompts fill the CPU on their own)")
     p.add_argument("--max-queued-requests", type=int, default=64,
                    help="waiting prompts beyond this are refused (RESOURCE_EXHAUSTED)")
+    p.add_argument("--order", choices=ORDERS, default="arrival",
+                   help="which waiting prompts are encoded next: arrival (oldest first) or "
+                        "shortest (the shortest length bucket first, so short prompts do not "
+                        "wait behind long ones; see --max-overtaken-seconds)")
+    p.add_argument("--max-overtaken-seconds", type=float, default=1.0, metavar="S",
+                   help="with --order shortest: once the oldest waiting prompt has waited S "
+                        "seconds it goes next, whatever its length (bounds a long prompt's wait)")
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES,
                    help="K+V payload per KV chunk, in bytes")
     p.add_argument("--kv-socket", choices=("on", "off"), default="on",
@@ -356,7 +372,7 @@ def settings_from_args(args: argparse.Namespace) -> PrefillSettings:
     return PrefillSettings(args.max_batch_size, args.ctx_batch_size, args.max_queued_requests,
                            args.max_chunk_bytes, args.max_batch_tokens, args.kv_socket == "on",
                            args.kv_socket_port, args.kv_socket_accept_seconds,
-                           args.kv_socket_min_bytes)
+                           args.kv_socket_min_bytes, args.order, args.max_overtaken_seconds)
 
 
 def load_app(args: argparse.Namespace) -> PrefillApp:

@@ -122,3 +122,18 @@ def test_conditional_disaggregation_flags_reach_only_the_disaggregated_router():
         "--local-prefill-always-tokens", "256"]
     for name in ("disaggregated", "aggregated"):
         assert our_launch_spec(name, always).decode_args[-2:] == ["--prefill-chunk-tokens", "128"]
+
+
+def test_prefill_order_flags_reach_only_the_disaggregated_prefill_worker():
+    from nxdi_bench.configs import ServeSettings, our_launch_spec
+    from prefill_service.scheduler import ORDERS
+    args = cli.build_parser().parse_args(["compare", "--prefill-order", "shortest",
+                                          "--prefill-max-overtaken", "2"])
+    assert (args.prefill_order, args.prefill_max_overtaken) == ("shortest", 2.0)
+    for order in ORDERS:  # the bench offers exactly the worker's orders
+        assert cli.build_parser().parse_args(["compare", "--prefill-order", order])
+    serve = ServeSettings(prefill_order="shortest", prefill_max_overtaken_s=2.0)
+    assert our_launch_spec("disaggregated", serve).prefill_args == [
+        "--order", "shortest", "--max-overtaken-seconds", "2"]
+    assert our_launch_spec("aggregated", serve).prefill_args == []
+    assert our_launch_spec("disaggregated", ServeSettings()).prefill_args == []

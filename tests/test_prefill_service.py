@@ -208,6 +208,56 @@ def test_scheduler_batches_the_oldest_bucket_fifo():
     assert [tasks[n].bucket for n in (3, 200, 1)] == [128, 256, 128]
 
 
+def test_scheduler_shortest_first_until_the_oldest_has_waited_its_bound():
+    now = [0]
+    sched = PrefillScheduler([128, 256, 512], ctx_batch_size=2, max_queued=9,
+                             order="shortest", max_overtaken_s=1.0, clock=lambda: now[0])
+
+    def add(name, n, at_s):
+        sched.add(PrefillTask(PrefillJob(name, (1,) * n), (0, 2), None, None,
+                              arrival_ns=int(at_s * 1e9)))
+
+    add("long", 500, 0.0)
+    add("mid", 200, 0.1)
+    add("chat1", 50, 0.2)
+    add("chat2", 60, 0.3)
+    now[0] = int(0.5e9)
+    assert [t.job.request_id for t in sched.next_batch()] == ["chat1", "chat2"]
+    add("chat3", 40, 0.6)
+    now[0] = int(0.9e9)  # the oldest has waited 0.9 s: still overtaken
+    assert [t.job.request_id for t in sched.next_batch()] == ["chat3"]
+    add("chat4", 30, 0.95)
+    now[0] = int(1.0e9)  # 1.0 s: the long prompt goes next, then the shortest again
+    assert [t.job.request_id for t in sched.next_batch()] == ["long"]
+    assert [t.job.request_id for t in sched.next_batch()] == ["chat4"]
+    assert [t.job.request_id for t in sched.next_batch()] == ["mid"]
+    assert sched.next_batch() == []
+
+
+def test_scheduler_arrival_order_ignores_length_and_bad_orders_are_refused():
+    sched = PrefillScheduler([128, 512], ctx_batch_size=2, max_queued=9, order="arrival")
+    for name, n in (("long", 500), ("chat", 50)):
+        sched.add(PrefillTask(PrefillJob(name, (1,) * n), (0, 2), None, None))
+    assert [t.job.request_id for t in sched.next_batch()] == ["long"]
+    with pytest.raises(ValueError, match="order must be one of arrival, shortest, got 'lifo'"):
+        PrefillScheduler([128], 1, 1, order="lifo")
+    with pytest.raises(ValueError, match="max_overtaken_s must be >= 0 seconds, got -1"):
+        PrefillScheduler([128], 1, 1, order="shortest", max_overtaken_s=-1)
+    with pytest.raises(ValueError, match="order must be one of arrival, shortest"):
+        PrefillSettings(order="short")
+
+
+def test_the_order_flags_reach_the_workers_scheduler(make_live):
+    from prefill_service.server import parse_args, settings_from_args
+    args = parse_args(["--order", "shortest", "--max-overtaken-seconds", "2.5"])
+    settings = settings_from_args(args)
+    assert (settings.order, settings.max_overtaken_s) == ("shortest", 2.5)
+    assert settings_from_args(parse_args([])).order == "arrival"
+    w = make_live(start_engine=False, order="shortest", max_overtaken_s=2.5)
+    assert w.app.engine.scheduler.order == "shortest"
+    assert w.app.engine.scheduler.max_overtaken_ns == 2_500_000_000
+
+
 def test_scheduler_keeps_long_buckets_to_their_batch_limit():
     sched = PrefillScheduler([128, 256, 512], ctx_batch_size=4, max_queued=9,
                              batch_limits={128: 4, 256: 2, 512: 1})
