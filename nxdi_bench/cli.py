@@ -121,10 +121,12 @@ def _server_args(g) -> None:
                    "(default: the first two this process may use)")
     g.add_argument("--decode-max-batch-size", type=int, default=16)
     g.add_argument("--kv-blocks", type=int, default=1024)
-    g.add_argument("--prefill-order", choices=("arrival", "shortest"), help="disaggregated: the prefill "
-                   "worker's --order (arrival: oldest prompt first; shortest: shortest first, "
-                   "a prompt overtaken for at most --prefill-max-overtaken; default: the "
-                   "worker's)")
+    # the prefill worker's ORDERS (prefill_service.scheduler imports torch; a test keeps the two
+    # equal)
+    g.add_argument("--prefill-order", choices=("arrival", "shortest"),
+                   help="disaggregated: the prefill worker's --order (arrival: oldest prompt "
+                        "first; shortest: shortest first, a prompt overtaken for at most "
+                        "--prefill-max-overtaken; default: the worker's)")
     g.add_argument("--prefill-max-overtaken", type=float, metavar="SECONDS",
                    help="disaggregated: the prefill worker's --max-overtaken-seconds")
 

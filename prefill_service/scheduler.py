@@ -92,6 +92,14 @@ class LoadReport:
 ORDERS = ("arrival", "shortest")
 
 
+def check_order(order: str, max_overtaken_s: float) -> None:
+    """ValueError naming the field unless ``order`` is one of ORDERS and the bound >= 0."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if not max_overtaken_s >= 0:
+        raise ValueError(f"max_overtaken_s must be >= 0 seconds, got {max_overtaken_s}")
+
+
 class PrefillScheduler:
     """Bounded queue of waiting prompts, batched by CTE length bucket (module doc)."""
 
@@ -104,10 +112,7 @@ class PrefillScheduler:
         if ctx_batch_size < 1 or max_queued < 1:
             raise ValueError(f"ctx_batch_size ({ctx_batch_size}) and max_queued_requests "
                              f"({max_queued}) must be at least 1")
-        if order not in ORDERS:
-            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
-        if not max_overtaken_s >= 0:
-            raise ValueError(f"max_overtaken_s must be >= 0 seconds, got {max_overtaken_s}")
+        check_order(order, max_overtaken_s)
         self.order, self.max_overtaken_ns = order, int(max_overtaken_s * 1e9)
         self.clock = clock
         self.length_buckets = list(length_buckets)

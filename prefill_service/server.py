@@ -25,7 +25,7 @@ from nxdi_common.serving.metrics import ServingMetrics
 from nxdi_common.serving.types import ModelLimits, PrefillJob, check_prompt
 from prefill_service import convert
 from prefill_service.scheduler import (ORDERS, LoadReport, PrefillEngine, PrefillOutput,
-                                       PrefillScheduler, PrefillTask)
+                                       PrefillScheduler, PrefillTask, check_order)
 
 log = logging.getLogger("prefill_service")
 
@@ -67,10 +67,7 @@ class PrefillSettings:
         if not self.kv_socket_accept_seconds > 0:
             raise ValueError(f"kv_socket_accept_seconds must be > 0, got "
                              f"{self.kv_socket_accept_seconds}")
-        if self.order not in ORDERS:
-            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
-        if not self.max_overtaken_s >= 0:
-            raise ValueError(f"max_overtaken_s must be >= 0 seconds, got {self.max_overtaken_s}")
+        check_order(self.order, self.max_overtaken_s)  # at start-up, before the model loads
         if self.ctx_batch_size > self.max_batch_size:
             raise ValueError(f"ctx_batch_size {self.ctx_batch_size} exceeds max_batch_size "
                              f"{self.max_batch_size}; raise --max-batch-size")
