@@ -67,27 +67,17 @@ struct Problem {
 };
 
 // out[m, n] = dtype(c * scale[n] + bias[n] + residual[m, n]) for the tile's rows and its panel's
-// valid columns; scale, bias and residual may be null.
+// valid columns; scale, bias and residual may be null. A plain loop on purpose: with each row as
+// one AVX-512 load, add and rounded store instead (cad6bb7), 256-row products on AMD Zen 4 took
+// 1.15-1.35x longer (bench_projections --rows 256, one thread, alternating builds: 320-365 vs
+// 274-304 ms for the 121 products), and a decode worker's 256-token prefill piece 1.18x
+// (bench_chunked_prefill --length 512 --chunks 256: 356-376 vs 299-309 ms), the same outputs bit
+// for bit; 1 and 16 rows were within noise either way. Loading the row as two 256-bit halves or
+// keeping the function out of line did not recover it.
 template <typename T>
 void store_tile(const float* c, int rows, int64_t m0, int64_t n0, const Problem& pb,
                 const T* bias, const T* residual, T* out) {
   const int64_t cols = std::min(kNR, pb.N - n0);
-#if defined(__AVX512F__)
-  if (cols == kNR) {  // a whole panel's row is one vector (kNR = 16)
-    const bool scaled = pb.scale != nullptr;
-    const __m512 scale = scaled ? _mm512_loadu_ps(pb.scale + n0) : _mm512_set1_ps(1.f);
-    const __m512 b = bias != nullptr ? load16(bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < rows; ++r) {
-      const int64_t row = (m0 + r) * pb.N + n0;
-      __m512 v = _mm512_loadu_ps(c + r * kNR);
-      if (scaled) v = _mm512_mul_ps(v, scale);
-      if (bias != nullptr) v = _mm512_add_ps(v, b);
-      if (residual != nullptr) v = _mm512_add_ps(v, load16(residual + row));
-      store16(out + row, v);
-    }
-    return;
-  }
-#endif
   for (int r = 0; r < rows; ++r) {
     const int64_t row = (m0 + r) * pb.N + n0;
     for (int64_t j = 0; j < cols; ++j) {
