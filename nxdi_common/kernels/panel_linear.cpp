@@ -69,8 +69,8 @@ struct Problem {
 // out[m, n] = dtype(c * scale[n] + bias[n] + residual[m, n]) for the tile's rows and its panel's
 // valid columns; scale, bias and residual may be null. A plain loop on purpose: with each row as
 // one AVX-512 load, add and rounded store instead (cad6bb7), 256-row products on AMD Zen 4 took
-// 1.15-1.35x longer (bench_projections --rows 256, one thread, alternating builds: 320-365 vs
-// 274-304 ms for the 121 products), and a decode worker's 256-token prefill piece 1.18x
+// up to 1.35x longer (bench_projections --rows 256, one thread, five alternating rounds: 320-365
+// vs 274-355 ms for the 121 products), and a decode worker's 256-token prefill piece 1.18x
 // (bench_chunked_prefill --length 512 --chunks 256: 356-376 vs 299-309 ms), the same outputs bit
 // for bit; 1 and 16 rows were within noise either way. Loading the row as two 256-bit halves or
 // keeping the function out of line did not recover it.
