@@ -153,15 +153,8 @@ void run(const Problem& pb, const float* x, const W* panels, const T* bias, cons
 // (rounded to nearest even; inputs and results below float32's normal range flushed to zero), so
 // the result is the exact product to float32 summation error, rounded once to the dtype, as on
 // the float32 path (the k order of the sums differs, so not bit for bit). Twice the
-// multiply-adds per instruction of widening to float32, and no widening.
-inline __m512i interleave_rows(const c10::BFloat16* row, const c10::BFloat16* next) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
-                                       8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-  const __m256i b = next != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(next))
-                                    : _mm256_setzero_si256();
-  return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
-}
+// multiply-adds per instruction of widening to float32, and no widening (the rows are
+// interleaved by simd.h's interleave_rows).
 
 // The panel's rows 2i and 2i + 1 interleaved (32 values; with K odd the last pair's second row
 // is zero): read from `pairs` where the weights come in pairs or dot_panel_rows interleaved them

@@ -100,6 +100,17 @@ inline __m512bh pair_at(const c10::BFloat16* x) {
   std::memcpy(&bits, x, sizeof(bits));
   return (__m512bh)_mm512_set1_epi32(bits);
 }
+
+// Two rows of 16 bf16 (row[j], next[j]) interleaved into 16 pairs: (row[0], next[0], row[1],
+// next[1], ...), the order vdpbf16ps takes a weight pair in; next null reads as zeros.
+inline __m512i interleave_rows(const c10::BFloat16* row, const c10::BFloat16* next) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                       8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  const __m256i b = next != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(next))
+                                    : _mm256_setzero_si256();
+  return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+}
 #endif
 
 // The same, 8 at a time, for CPUs with AVX2 and FMA but not AVX-512 (kernels use these only where
