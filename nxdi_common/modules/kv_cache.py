@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nxdi_common import kernels
+from nxdi_common.runtime import huge_page_zeros
 
 K, V = 0, 1
 
@@ -52,7 +53,7 @@ class KVCacheManager:
         self.dtype, self.compute_dtype = dtype, compute_dtype
 
     def allocate(self) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=self.dtype)
+        return huge_page_zeros(self.shape, self.dtype)
 
     def write(self, cache, layer: int, k, v, index) -> None:
         """Store k, v [B, Hkv, S, D] at (seq_ids [B], position_ids [B, S]) of `index`."""
@@ -86,7 +87,7 @@ class BlockKVCacheManager:
         self.paged_attention = None
 
     def allocate(self) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=self.dtype)
+        return huge_page_zeros(self.shape, self.dtype)
 
     def write(self, cache, layer: int, k, v, index) -> None:
         """Store k, v [B, Hkv, S, D] at slot_mapping [B, S] (index[2])."""

@@ -16,7 +16,9 @@ Two fast paths, both static per traced bucket:
   from 1 to 512 rows. `pack_panels`
   reorders each weight once into [ceil(out / 16), in, 16] panels in its own dtype, multiplied by
   our kernel (`torch.ops.nxdi.panel_linear`, kernels/panel_linear.cpp): in float32, or on the
-  CPU's bfloat16 dot products for bfloat16 inputs where it has them.
+  CPU's bfloat16 dot products for bfloat16 inputs where it has them. `pack_linear_weights`
+  packs all panels into one runtime.HugePageArena: on 2 MiB pages a batch-1 decode step's
+  products read their weights ~10% faster (BENCHMARKS.md, session 28).
 * **Matrix-vector products** for one row of reduced-precision input with plain weights (the
   layout when neither applies): torch.mv reads the weights about 30% faster than F.linear.
 
@@ -32,6 +34,8 @@ from typing import List, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nxdi_common.runtime import HugePageArena
 
 _MV_DTYPES = (torch.bfloat16, torch.float16)
 # The layouts a CPU model's linear weights can have (NeuronConfig.cpu_weight_layout resolves to one).
@@ -81,7 +85,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS_HINT)
 
 
-def pack_panels(weight: torch.Tensor, pairs: Optional[bool] = None) -> torch.Tensor:
+def panels_shape(out_features: int, in_features: int, pairs: bool) -> tuple[int, int, int]:
+    """The shape pack_panels gives an [out_features, in_features] weight."""
+    panels = -(-out_features // PANEL_WIDTH)
+    if pairs:
+        return panels, -(-in_features // 2), 2 * PANEL_WIDTH
+    return panels, in_features, PANEL_WIDTH
+
+
+def pack_panels(weight: torch.Tensor, pairs: Optional[bool] = None,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A [out, in] weight as [ceil(out / 16), in, 16] panels: panels[p, k, j] = weight[16p + j, k],
     zero past the last output. With `pairs` (bfloat16 only; by default where our kernel multiplies
     bfloat16 on the CPU's dot products, kernels.panel_pairs_native) each panel's rows come two
@@ -90,25 +103,35 @@ def pack_panels(weight: torch.Tensor, pairs: Optional[bool] = None) -> torch.Ten
     loads a pair as it is instead of interleaving it in every tile (the 121 products of a decode
     step 3-10% faster at 8-16 rows, ~15% at 64 and more; BENCHMARKS.md, session 19). Copied
     straight into the result: no padded or transposed temporary, which for the LM head would be
-    another 57 MB that the allocator (runtime.py keeps large blocks) need not give back."""
+    another 57 MB that the allocator (runtime.py keeps large blocks) need not give back. `out`:
+    where to write them (shape panels_shape(...), the weight's dtype), e.g. a HugePageArena's."""
     w = weight.detach()
     out_features, in_features = w.shape
     full, rest = divmod(out_features, PANEL_WIDTH)
     if pairs is None:
         pairs = w.dtype == torch.bfloat16 and panel_pairs_native()
+    if pairs and w.dtype != torch.bfloat16:
+        raise ValueError(f"pack_panels: only bfloat16 weights come in pairs, got {w.dtype}")
+    shape = panels_shape(out_features, in_features, pairs)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != w.dtype):
+        raise ValueError(f"pack_panels: out must be {w.dtype} of shape {shape}, got "
+                         f"{out.dtype} of shape {tuple(out.shape)}")
+
+    def make(zeroed: bool) -> torch.Tensor:
+        if out is None:
+            return w.new_zeros(shape) if zeroed else w.new_empty(shape)
+        return out.zero_() if zeroed else out
+
     if not pairs:
-        panels = w.new_empty(full + (rest > 0), in_features, PANEL_WIDTH)
+        panels = make(False)
         panels[:full].transpose(1, 2).copy_(
             w[:full * PANEL_WIDTH].view(full, PANEL_WIDTH, in_features))
         if rest:
             panels[full].zero_()
             panels[full, :, :rest].copy_(w[full * PANEL_WIDTH:].t())
         return panels
-    if w.dtype != torch.bfloat16:
-        raise ValueError(f"pack_panels: only bfloat16 weights come in pairs, got {w.dtype}")
     half, odd = divmod(in_features, 2)
-    make = w.new_zeros if rest or odd else w.new_empty
-    panels = make(full + (rest > 0), half + odd, 2 * PANEL_WIDTH)
+    panels = make(bool(rest or odd))
     by_column = panels.view(-1, half + odd, PANEL_WIDTH, 2).transpose(1, 2)  # [P, 16, pairs, 2]
     split = full * PANEL_WIDTH
     for dst, src in ((by_column[:full], w[:split]), (by_column[full:, :rest], w[split:])):
@@ -175,10 +198,24 @@ def pack_linear_weights(model: nn.Module, layout: str = ONEDNN) -> int:
     The plain parameters left (embedding, norms, biases, int8 weights) are then copied out of the
     checkpoint: they are views of one memory-mapped file, whose pages packing has read, so a
     single one of them would keep the whole file resident next to the packed copies."""
-    pack = pack_weight if layout == ONEDNN else pack_panels
+    def unpacked(module) -> bool:
+        return isinstance(module, Linear) and not module.weight.is_mkldnn and not module._panels()
+
+    pack = pack_weight
+    if layout != ONEDNN:  # all panels in one arena on huge pages (runtime.HugePageArena)
+        pairs = panel_pairs_native()
+        shapes = [(panels_shape(*m.weight.shape, pairs and m.weight.dtype == torch.bfloat16),
+                   m.weight.dtype) for m in model.modules() if unpacked(m)]
+        arena = HugePageArena(HugePageArena.size_of(shapes))
+
+        def pack(weight: torch.Tensor) -> torch.Tensor:
+            paired = pairs and weight.dtype == torch.bfloat16
+            return pack_panels(weight, paired, arena.take(panels_shape(*weight.shape, paired),
+                                                          weight.dtype))
+
     packed, done = 0, set()  # ids of the packed copies
     for module in model.modules():
-        if isinstance(module, Linear) and not module.weight.is_mkldnn and not module._panels():
+        if unpacked(module):
             module.weight = nn.Parameter(pack(module.weight), requires_grad=False)
             done.add(id(module.weight))
             packed += 1
