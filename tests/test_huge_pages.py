@@ -123,3 +123,24 @@ def test_pack_linear_weights_puts_every_panel_in_one_huge_page_mapping():
     assert anon_huge_kib(starts[0]) >= HUGE_PAGE // 1024
     got = model[1](model[0](x)).float()
     assert torch.allclose(got, want, atol=0.05, rtol=0.02)
+
+
+@needs_thp
+@pytest.mark.skipif(kernels.kernels_unavailable_reason() is not None,
+                    reason="the panel kernel does not build here")
+def test_int8_panels_share_the_arena():
+    from nxdi_common.modules.quantization import QuantizedLinear
+    torch.manual_seed(0)
+    q = QuantizedLinear(1024, 2048, bias=False, dtype=torch.bfloat16)
+    q.weight.copy_(torch.randint(-127, 128, (2048, 1024), dtype=torch.int8))
+    q.scale.copy_(torch.rand(2048).bfloat16() / 100)
+    model = nn.Sequential(Linear(1024, 1024, bias=False).to(torch.bfloat16), q)
+    x = torch.randn(2, 1024).bfloat16()
+    want = model(x).float()
+    assert pack_linear_weights(model, PANELS) == 2
+    bf16, int8 = model[0].weight, model[1].weight
+    assert bf16.dim() == 3 and int8.dim() == 3 and int8.dtype == torch.int8
+    gap = int8.data_ptr() - (bf16.data_ptr() + bf16.numel() * bf16.element_size())
+    assert 0 <= gap < 64  # packed next to each other, in the same mapping
+    assert anon_huge_kib(int8.data_ptr()) >= HUGE_PAGE // 1024
+    assert torch.allclose(model(x).float(), want, atol=0.05, rtol=0.02)

@@ -188,12 +188,30 @@ class Linear(nn.Linear):
         return out.view_as(residual)
 
 
+def _arena_packer(weights: list[torch.Tensor]):
+    """pack_panels for these weights (each in the pairs layout where that is native), into one
+    runtime.HugePageArena sized for all of them: packed straight into it, no second copy."""
+    pairs_native = panel_pairs_native()
+
+    def shape_of(w: torch.Tensor) -> tuple[tuple[int, int, int], bool]:
+        paired = pairs_native and w.dtype == torch.bfloat16
+        return panels_shape(*w.shape, paired), paired
+
+    arena = HugePageArena(HugePageArena.size_of([(shape_of(w)[0], w.dtype) for w in weights]))
+
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        shape, paired = shape_of(weight)
+        return pack_panels(weight, paired, arena.take(shape, weight.dtype))
+    return pack
+
+
 def pack_linear_weights(model: nn.Module, layout: str = ONEDNN) -> int:
     """Give every Linear of `model` a copy of its weight in `layout` (ONEDNN: oneDNN-packed;
-    PANELS: pack_panels) in place of the plain one (modules that own a `pack(layout)` method,
-    such as QuantizedLinear, pack themselves and return the new parameters); returns how many
-    modules were packed. A weight shared with a module that is not a Linear (the embedding of a
-    tied LM head) stays plain there: the Linear gets its own packed copy.
+    PANELS: pack_panels, all into one HugePageArena) in place of the plain one (modules that own
+    a `pack(layout, panels)` method, such as QuantizedLinear, pack themselves, with `panels` as
+    their pack_panels, and return the new parameters); returns how many modules were packed. A
+    weight shared with a module that is not a Linear (the embedding of a tied LM head) stays
+    plain there: the Linear gets its own packed copy.
 
     The plain parameters left (embedding, norms, biases, int8 weights) are then copied out of the
     checkpoint: they are views of one memory-mapped file, whose pages packing has read, so a
@@ -201,26 +219,22 @@ def pack_linear_weights(model: nn.Module, layout: str = ONEDNN) -> int:
     def unpacked(module) -> bool:
         return isinstance(module, Linear) and not module.weight.is_mkldnn and not module._panels()
 
-    pack = pack_weight
-    if layout != ONEDNN:  # all panels in one arena on huge pages (runtime.HugePageArena)
-        pairs = panel_pairs_native()
-        shapes = [(panels_shape(*m.weight.shape, pairs and m.weight.dtype == torch.bfloat16),
-                   m.weight.dtype) for m in model.modules() if unpacked(m)]
-        arena = HugePageArena(HugePageArena.size_of(shapes))
+    def packs_itself(module) -> bool:
+        return hasattr(module, "pack") and callable(module.pack)
 
-        def pack(weight: torch.Tensor) -> torch.Tensor:
-            paired = pairs and weight.dtype == torch.bfloat16
-            return pack_panels(weight, paired, arena.take(panels_shape(*weight.shape, paired),
-                                                          weight.dtype))
-
+    panels = pack_panels
+    if layout != ONEDNN:  # every panel, bf16 or int8, in one arena on huge pages
+        panels = _arena_packer([m.weight for m in model.modules()
+                                if unpacked(m) or (packs_itself(m) and m.weight.dim() == 2)])
+    pack = pack_weight if layout == ONEDNN else panels
     packed, done = 0, set()  # ids of the packed copies
     for module in model.modules():
         if unpacked(module):
             module.weight = nn.Parameter(pack(module.weight), requires_grad=False)
             done.add(id(module.weight))
             packed += 1
-        elif hasattr(module, "pack") and callable(module.pack):
-            new = module.pack(layout)
+        elif packs_itself(module):
+            new = module.pack(layout, panels=panels)
             done.update(id(p) for p in new)
             packed += bool(new)
     copies: dict[int, nn.Parameter] = {}  # one copy per distinct parameter: aliases stay aliases

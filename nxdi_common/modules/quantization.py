@@ -155,13 +155,14 @@ class QuantizedLinear(nn.Module):
                                  requires_grad=False) if bias else None
         self.register_parameter("packed", None)
 
-    def pack(self, layout: str = ONEDNN) -> list[nn.Parameter]:
+    def pack(self, layout: str = ONEDNN, panels=pack_panels) -> list[nn.Parameter]:
         """Pack for `layout` (ONEDNN or PANELS; anything else leaves the module as it is) once;
-        returns the parameters it added."""
+        returns the parameters it added. `panels(weight)` makes the int8 panels
+        (pack_linear_weights passes its huge-page arena's)."""
         if self.packed is not None or self._panels() or layout not in (ONEDNN, PANELS):
             return []
         if layout == PANELS:
-            self.weight = nn.Parameter(pack_panels(self.weight), requires_grad=False)
+            self.weight = nn.Parameter(panels(self.weight), requires_grad=False)
             return [self.weight]
         dense = dequantize(self.weight, self.scale).to(self.scale.dtype)
         self.packed = nn.Parameter(pack_weight(dense), requires_grad=False)
