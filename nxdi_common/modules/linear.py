@@ -116,14 +116,8 @@ def pack_panels(weight: torch.Tensor, pairs: Optional[bool] = None,
     if out is not None and (tuple(out.shape) != shape or out.dtype != w.dtype):
         raise ValueError(f"pack_panels: out must be {w.dtype} of shape {shape}, got "
                          f"{out.dtype} of shape {tuple(out.shape)}")
-
-    def make(zeroed: bool) -> torch.Tensor:
-        if out is None:
-            return w.new_zeros(shape) if zeroed else w.new_empty(shape)
-        return out.zero_() if zeroed else out
-
+    panels = w.new_empty(shape) if out is None else out
     if not pairs:
-        panels = make(False)
         panels[:full].transpose(1, 2).copy_(
             w[:full * PANEL_WIDTH].view(full, PANEL_WIDTH, in_features))
         if rest:
@@ -131,7 +125,8 @@ def pack_panels(weight: torch.Tensor, pairs: Optional[bool] = None,
             panels[full, :, :rest].copy_(w[full * PANEL_WIDTH:].t())
         return panels
     half, odd = divmod(in_features, 2)
-    panels = make(bool(rest or odd))
+    if rest or odd:  # zeros past the last output / input
+        panels.zero_()
     by_column = panels.view(-1, half + odd, PANEL_WIDTH, 2).transpose(1, 2)  # [P, 16, pairs, 2]
     split = full * PANEL_WIDTH
     for dst, src in ((by_column[:full], w[:split]), (by_column[full:, :rest], w[split:])):
