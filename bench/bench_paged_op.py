@@ -1,10 +1,12 @@
 """torch.ops.nxdi.paged_decode_attention alone, as one decode step runs it: 30 layers' block
 caches (the bundled model's 9 query and 3 KV heads of 64, bf16, 16-token blocks), each row's
-blocks in a random order, every row attending over --length positions. Each layer has its own
+blocks in a random order, every row attending over --length positions, on huge pages as the
+KV cache managers allocate it (runtime.huge_page_zeros). Each layer has its own
 cache, so the step reads the cache from memory as a decode worker's does (--warm: every layer
 reads layer 0's cache, which stays in the CPU's caches).
 
     python bench/bench_paged_op.py [--threads 1] [--rows 8] [--length 1792] [--warm]
+                                   [--small-pages]
 
 Prints the median step time over 20 after 2 warm-up steps and the cache bytes read per second."""
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import torch
 
 from nxdi_common.kernels import paged_attention
+from nxdi_common.runtime import huge_page_zeros
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
@@ -26,15 +29,21 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--length", type=int, default=1792)
     p.add_argument("--warm", action="store_true")
+    p.add_argument("--small-pages", action="store_true",
+                   help="the caches on 4 KiB pages (torch's allocator), not huge pages")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     op = paged_attention()
     width = -(-args.length // BLOCK)
     blocks = args.rows * width + 8
     g = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=g).bfloat16(),
-               torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=g).bfloat16())
-              for _ in range(1 if args.warm else LAYERS)]
+    def cache():  # where the KV cache managers put it (huge pages unless --small-pages)
+        shape = (blocks, BLOCK, KV_HEADS, DIM)
+        out = (torch.empty(shape, dtype=torch.bfloat16) if args.small_pages
+               else huge_page_zeros(shape, torch.bfloat16))
+        return out.copy_(torch.randn(shape, generator=g))
+
+    caches = [(cache(), cache()) for _ in range(1 if args.warm else LAYERS)]
     table = torch.randperm(blocks, generator=g)[:args.rows * width].view(args.rows, width)
     pos = torch.full((args.rows, 1), args.length - 1)
     q = torch.randn(args.rows, HEADS, 1, DIM, generator=g).bfloat16()
