@@ -71,14 +71,17 @@ def test_equals_gather_and_sdpa(op, dtype, kv_dtype, tol, heads, kv_heads, queri
 
 
 # The decode worker's case (bf16, 9 query heads on 3 KV heads) at every AVX-512 head size it may
-# meet, with block sizes below, at and above 16 and positions at and around block edges.
+# meet, with block sizes below, at and above 16 and positions at and around block edges; and 12
+# query heads on one KV head (with 3 queries each, 36 queries share every V row: the bf16 path
+# accumulates them 4 at a time).
 @pytest.mark.parametrize("block_size", [4, 16, 40])
 @pytest.mark.parametrize("dim", [64, 96, 128])
 @pytest.mark.parametrize("queries", [1, 3])
-def test_bf16_block_sizes_equal_gather_and_sdpa(op, block_size, dim, queries):
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (12, 1)])
+def test_bf16_block_sizes_equal_gather_and_sdpa(op, block_size, dim, queries, heads, kv_heads):
     width = 160 // block_size + 1
-    q, k, v, table, pos = case(7, torch.bfloat16, heads=9, kv_heads=3, queries=queries, dim=dim,
-                               width=width, num_blocks=8 * width + 4,
+    q, k, v, table, pos = case(7, torch.bfloat16, heads=heads, kv_heads=kv_heads, queries=queries,
+                               dim=dim, width=width, num_blocks=8 * width + 4,
                                positions=(0, 15, 16, 17, 31, 47, 100, 159), block_size=block_size)
     out = op(q, k, v, table, pos, dim ** -0.5)
     ref = reference(q, k, v, table, pos)

@@ -48,6 +48,7 @@ struct FloatTiles {
   using Prob = float;
   using Elem = float;
   static constexpr bool kProbsInPlace = true;
+  static constexpr bool kValuesInPlace = false;  // see Bf16DotOps
   static constexpr float kKvScale = 1.f;  // the cache's values are the tiles' times this
   template <typename T> void widen_k(const T* src, int64_t stride, int64_t count, float* dst) const {
     static_cast<const Self*>(this)->widen(src, stride, count, dst);
@@ -236,6 +237,15 @@ struct Bf16DotOps {
   static constexpr bool kProbsInPlace = false;
   static constexpr bool kFloat8 = std::is_same_v<KV, c10::Float8_e4m3fn>;
   static constexpr float kKvScale = kFloat8 ? 256.f : 1.f;
+  // A bf16 cache's V rows are read where they lie (accumulate_rows), each pair interleaved in
+  // registers once for up to kGroup queries, instead of interleaved into a tile in memory and
+  // read back once per query: 1.13x the kernel (one thread, 16 rows of 640 positions, cache
+  // resident; bench/bench_paged_op.py). K rows are still copied into the tile first: the scores
+  // read straight from the cache ran 1.25x slower (the copy's plain loads bring the rows into L1
+  // at full speed for all queries of the KV head; the dot products' own loads did not). A
+  // float8 cache's rows are converted into the tile once for all of a KV head's queries.
+  static constexpr bool kValuesInPlace = !kFloat8;
+  static constexpr int kGroup = 4;
   struct alignas(64) Query { __m512i v[NZ]; };
   // [2z]: unpacklo's dims of 32z.. (see store), [2z + 1]: unpackhi's.
   struct alignas(64) Acc { __m512 v[2 * NZ]; };
@@ -276,6 +286,38 @@ struct Bf16DotOps {
       return a;
     };
     scaled_lane_sums(dot_row, count, scale, sc);
+  }
+  // accumulate_tile for G queries at once on `count` cache rows `stride` elements apart, read in
+  // place: each pair of rows is interleaved once, in registers, for all G. Query j takes pairs
+  // 0..pairs[j] (its probabilities zero past its position, as in accumulate_tile); a last row
+  // without a partner (odd count) pairs with zeros.
+  template <int G>
+  void accumulate_rows(const KV* rows, int64_t stride, int64_t count, const BF16* const* p,
+                       const int64_t* pairs, Acc* const* acc) const {
+    __m512 a[G][2 * NZ];
+    int64_t most = 0;
+    for (int j = 0; j < G; ++j) {
+      for (int k = 0; k < 2 * NZ; ++k) a[j][k] = acc[j]->v[k];
+      most = std::max(most, pairs[j]);
+    }
+    for (int64_t i = 0; i < most; ++i) {
+      const KV* r0 = rows + 2 * i * stride;
+      const bool pair = 2 * i + 1 < count;
+      __m512bh v[2 * NZ];
+      for (int z = 0; z < NZ; ++z) {
+        const __m512i x = row(r0 + 32 * z);
+        const __m512i y = pair ? row(r0 + stride + 32 * z) : _mm512_setzero_si512();
+        v[2 * z] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+        v[2 * z + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      }
+      for (int j = 0; j < G; ++j) {
+        if (i >= pairs[j]) continue;
+        const __m512bh w = pair_at(p[j] + 2 * i);
+        for (int k = 0; k < 2 * NZ; ++k) a[j][k] = _mm512_dpbf16_ps(a[j][k], v[k], w);
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      for (int k = 0; k < 2 * NZ; ++k) acc[j]->v[k] = a[j][k];
   }
   // The softmax of sc[0, len) as bf16 in p[0, len), zeros in p[len, width); returns 1 / the sum.
   float probs(float* sc, int64_t len, BF16* p, int64_t width) const {
@@ -331,6 +373,35 @@ T* scratch(int64_t count) {
   if (buf.size() < floats) buf.resize(floats);
   const uintptr_t misaligned = reinterpret_cast<uintptr_t>(buf.data()) / sizeof(float) % 16;
   return reinterpret_cast<T*>(buf.data() + (16 - misaligned) % 16);
+}
+
+// The values of `count` V rows (positions pos..) for queries q0..q0+nq of one KV head, read in
+// place (Ops::kValuesInPlace), kGroup queries per pass over the rows; each query takes the rows
+// up to its own position, in pairs.
+template <typename Ops, typename kv_t>
+void accumulate_direct(const Ops& ops, const kv_t* rows, int64_t stride, int64_t count,
+                       int64_t pos, int64_t q0, int64_t nq, const int64_t* last,
+                       typename Ops::Prob* probs, int64_t pn, typename Ops::Acc* acc) {
+  constexpr int G = Ops::kGroup;
+  for (int64_t g0 = 0; g0 < nq; g0 += G) {
+    const typename Ops::Prob* p[G];
+    typename Ops::Acc* a[G];
+    int64_t pairs[G];
+    int used = 0;
+    for (int64_t qi = q0 + g0; qi < q0 + std::min(nq, g0 + G); ++qi) {
+      const int64_t use = std::min(count, last[qi] + 1 - pos);
+      if (use <= 0) continue;
+      p[used] = probs + qi * pn + pos, a[used] = acc + qi, pairs[used] = (use + 1) / 2;
+      ++used;
+    }
+    switch (used) {
+      case 4: ops.template accumulate_rows<4>(rows, stride, count, p, pairs, a); break;
+      case 3: ops.template accumulate_rows<3>(rows, stride, count, p, pairs, a); break;
+      case 2: ops.template accumulate_rows<2>(rows, stride, count, p, pairs, a); break;
+      case 1: ops.template accumulate_rows<1>(rows, stride, count, p, pairs, a); break;
+      default: break;
+    }
+  }
 }
 
 // Row b, KV heads [hk0, hk1) (their query heads are contiguous, h = hk * group + g): per token,
@@ -400,29 +471,37 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   const int64_t pn = Ops::kProbsInPlace ? n : n + 2;
   Prob* const probs = Ops::kProbsInPlace ? reinterpret_cast<Prob*>(scores)
                                          : scratch<Prob, 2>(nq * pn);
-  // use(hk, pos, m): the tile holds KV head hk's rows for positions pos..pos+m-1.
+  // use(hk, pos, m, rows): the tile holds KV head hk's rows for positions pos..pos+m-1 (V's
+  // only without kValuesInPlace), which lie in the cache from `rows` on, token_stride apart.
   auto for_each_tile = [&](const kv_t* cache, auto&& widen, auto&& use) {
     for_each_block(cache, [&](int64_t first, int64_t count, const kv_t* base, const kv_t* next) {
       for (int64_t hk = hk0; hk < hk1; ++hk)
         for (int64_t t0 = 0; t0 < count; t0 += kTile) {
           const int64_t m = std::min(kTile, count - t0);
           prefetch(next, hk, t0, m);
-          widen(base + t0 * token_stride + hk * d, token_stride, m, tile_p);
-          use(hk, first + t0, m);
+          const kv_t* rows = base + t0 * token_stride + hk * d;
+          if (!Ops::kValuesInPlace || cache == kc)  // else the V pass reads `rows` itself
+            widen(rows, token_stride, m, tile_p);
+          use(hk, first + t0, m, rows);
         }
     });
   };
   auto widen_k = [&](auto... a) { ops.widen_k(a...); };
   auto widen_v = [&](auto... a) { ops.widen_v(a...); };
   const float tile_scale = scale * Ops::kKvScale;  // scores of tiles that hold K / kKvScale
-  for_each_tile(kc, widen_k, [&](int64_t hk, int64_t pos, int64_t m) {
+  for_each_tile(kc, widen_k, [&](int64_t hk, int64_t pos, int64_t m, const kv_t*) {
     for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
       ops.scores_tile(tile_p, m, qv[qi], tile_scale, scores + qi * n + pos);
   });
   std::vector<float> inv_sum(nq);
   for (int64_t qi = 0; qi < nq; ++qi)
     inv_sum[qi] = ops.probs(scores + qi * n, last[qi] + 1, probs + qi * pn, pn);
-  for_each_tile(vc, widen_v, [&](int64_t hk, int64_t pos, int64_t m) {
+  for_each_tile(vc, widen_v, [&](int64_t hk, int64_t pos, int64_t m, const kv_t* rows) {
+    if constexpr (Ops::kValuesInPlace) {
+      accumulate_direct(ops, rows, token_stride, m, pos, (hk - hk0) * per_kv, per_kv, last.data(),
+                        probs, pn, acc.data());
+      return;
+    }
     for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
       const int64_t use = std::min(m, last[qi] + 1 - pos);
       if (use > 0) ops.accumulate_tile(tile_p, use, probs + qi * pn + pos, acc[qi]);
