@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--length", type=int, default=256)
     args = p.parse_args(argv)
+    tkg.use_torch_threads(args.threads)  # load_model leaves torch's count to the caller
     opts = tkg.ModelOptions(threads=args.threads)
     model = tkg.load_model(opts, tkg.decode_neuron_config(opts, 16, tkg.BLOCKS, tkg.BLOCK))
     with torch.no_grad():

@@ -21,6 +21,7 @@ import torch
 
 from decode_service.engine import EngineConfig
 from decode_service.scheduler import split_by_length
+from nxdi_common.serving.compute import use_torch_threads
 from nxdi_common.serving.worker import ModelOptions, decode_neuron_config, load_model
 
 BLOCK, BLOCKS = 16, 2048
@@ -73,6 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="as --kv-cache-dtype on a worker")
     args = p.parse_args(argv)
+    use_torch_threads(args.threads)  # load_model leaves torch's count to the caller
     opts = ModelOptions(threads=args.threads, quantize=args.quantize,
                         attention_kernel=args.attention_kernel,
                         kv_cache_dtype=args.kv_cache_dtype)
