@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     width = -(-args.length // BLOCK)
     blocks = args.rows * width + 8
     g = torch.Generator().manual_seed(0)
+
     def cache():  # where the KV cache managers put it (huge pages unless --small-pages)
         shape = (blocks, BLOCK, KV_HEADS, DIM)
         out = (torch.empty(shape, dtype=torch.bfloat16) if args.small_pages

@@ -268,14 +268,19 @@ struct Bf16DotOps {
   // last).
   void widen_v(const KV* src, int64_t stride, int64_t count, BF16* dst) const {
     for (int64_t i = 0; 2 * i < count; ++i) {
-      const KV* r0 = src + 2 * i * stride;
-      const bool pair = 2 * i + 1 < count;
-      for (int z = 0; z < NZ; ++z) {
-        const __m512i a = row(r0 + 32 * z);
-        const __m512i b = pair ? row(r0 + stride + 32 * z) : _mm512_setzero_si512();
-        _mm512_store_si512(dst + ((i * NZ + z) * 2) * 32, _mm512_unpacklo_epi16(a, b));
-        _mm512_store_si512(dst + ((i * NZ + z) * 2 + 1) * 32, _mm512_unpackhi_epi16(a, b));
-      }
+      __m512i v[2 * NZ];
+      interleave_pair(src + 2 * i * stride, stride, 2 * i + 1 < count, v);
+      for (int k = 0; k < 2 * NZ; ++k) _mm512_store_si512(dst + (i * 2 * NZ + k) * 32, v[k]);
+    }
+  }
+  // Rows r0 and r0 + stride (zeros for the second without `pair`) interleaved: v[2z] and
+  // v[2z + 1] are unpack{lo,hi}_epi16 of their values 32z.. (the Acc order).
+  static void interleave_pair(const KV* r0, int64_t stride, bool pair, __m512i (&v)[2 * NZ]) {
+    for (int z = 0; z < NZ; ++z) {
+      const __m512i a = row(r0 + 32 * z);
+      const __m512i b = pair ? row(r0 + stride + 32 * z) : _mm512_setzero_si512();
+      v[2 * z] = _mm512_unpacklo_epi16(a, b);
+      v[2 * z + 1] = _mm512_unpackhi_epi16(a, b);
     }
   }
   void scores_tile(const BF16* tile, int64_t count, const Query& q, float scale, float* sc) const {
@@ -301,19 +306,12 @@ struct Bf16DotOps {
       most = std::max(most, pairs[j]);
     }
     for (int64_t i = 0; i < most; ++i) {
-      const KV* r0 = rows + 2 * i * stride;
-      const bool pair = 2 * i + 1 < count;
-      __m512bh v[2 * NZ];
-      for (int z = 0; z < NZ; ++z) {
-        const __m512i x = row(r0 + 32 * z);
-        const __m512i y = pair ? row(r0 + stride + 32 * z) : _mm512_setzero_si512();
-        v[2 * z] = (__m512bh)_mm512_unpacklo_epi16(x, y);
-        v[2 * z + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
-      }
+      __m512i v[2 * NZ];
+      interleave_pair(rows + 2 * i * stride, stride, 2 * i + 1 < count, v);
       for (int j = 0; j < G; ++j) {
         if (i >= pairs[j]) continue;
         const __m512bh w = pair_at(p[j] + 2 * i);
-        for (int k = 0; k < 2 * NZ; ++k) a[j][k] = _mm512_dpbf16_ps(a[j][k], v[k], w);
+        for (int k = 0; k < 2 * NZ; ++k) a[j][k] = _mm512_dpbf16_ps(a[j][k], (__m512bh)v[k], w);
       }
     }
     for (int j = 0; j < G; ++j)
@@ -379,9 +377,9 @@ T* scratch(int64_t count) {
 // place (Ops::kValuesInPlace), kGroup queries per pass over the rows; each query takes the rows
 // up to its own position, in pairs.
 template <typename Ops, typename kv_t>
-void accumulate_direct(const Ops& ops, const kv_t* rows, int64_t stride, int64_t count,
-                       int64_t pos, int64_t q0, int64_t nq, const int64_t* last,
-                       typename Ops::Prob* probs, int64_t pn, typename Ops::Acc* acc) {
+void accumulate_in_place(const Ops& ops, const kv_t* rows, int64_t stride, int64_t count,
+                         int64_t pos, int64_t q0, int64_t nq, const int64_t* last,
+                         typename Ops::Prob* probs, int64_t pn, typename Ops::Acc* acc) {
   constexpr int G = Ops::kGroup;
   for (int64_t g0 = 0; g0 < nq; g0 += G) {
     const typename Ops::Prob* p[G];
@@ -498,8 +496,8 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
     inv_sum[qi] = ops.probs(scores + qi * n, last[qi] + 1, probs + qi * pn, pn);
   for_each_tile(vc, widen_v, [&](int64_t hk, int64_t pos, int64_t m, const kv_t* rows) {
     if constexpr (Ops::kValuesInPlace) {
-      accumulate_direct(ops, rows, token_stride, m, pos, (hk - hk0) * per_kv, per_kv, last.data(),
-                        probs, pn, acc.data());
+      accumulate_in_place(ops, rows, token_stride, m, pos, (hk - hk0) * per_kv, per_kv,
+                          last.data(), probs, pn, acc.data());
       return;
     }
     for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
