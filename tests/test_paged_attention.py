@@ -3,6 +3,7 @@ table, reads nothing past a row's own position or outside its blocks, refuses ou
 ids and positions, and is chosen, recorded and loaded with compiled graphs as configured."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -26,6 +27,18 @@ BS = 4  # block size of the synthetic caches
 @pytest.fixture(scope="module")
 def op():
     return kernels.paged_attention()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """n intra-op threads inside, the module's one thread again after (one_torch_thread is
+    module-scoped)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def reference(q, k_cache, v_cache, table, pos, scale=None):
@@ -127,10 +140,39 @@ def test_bf16_runs_on_bf16_dot_products_where_the_cpu_has_them(op):
 
 @pytest.mark.parametrize("dim", [24, 64])
 def test_two_threads_equal_one(op, dim):
+    """With at least as many rows as threads a task is a whole row: the same sums in the same
+    order whatever the thread count."""
     q, k, v, table, pos = case(3, torch.bfloat16, dim=dim)
     one = op(q, k, v, table, pos, 0.25)
-    torch.set_num_threads(2)
-    assert torch.equal(op(q, k, v, table, pos, 0.25), one)
+    with torch_threads(2):
+        assert torch.equal(op(q, k, v, table, pos, 0.25), one)
+
+
+@pytest.mark.parametrize("threads,positions", [(2, (159,)), (2, (40,)), (2, (5,)), (3, (0, 100)),
+                                               (3, (63, 64))])
+@pytest.mark.parametrize("dtype,kv_dtype,dim,block_size", [
+    (torch.float32, None, 24, BS), (torch.bfloat16, None, 64, 16),
+    (torch.bfloat16, torch.float8_e4m3fn, 64, 16), (torch.bfloat16, None, 128, 40)])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_rows_cut_into_segments_for_the_threads(op, threads, positions, dtype, kv_dtype, dim,
+                                                block_size, queries):
+    """With fewer rows than threads each row's positions are cut into segments of whole blocks,
+    one a thread, and merged: equal to gather + SDPA, and still reading nothing past a row's
+    position (NaN there), with segments past a short row's end left empty ((5,): one block)."""
+    width = 160 // block_size + 1
+    q, k, v, table, pos = case(9, dtype, kv_dtype, heads=9, kv_heads=3, queries=queries, dim=dim,
+                               width=width, num_blocks=4 * width + 4, positions=positions,
+                               block_size=block_size)
+    poisoned_k, poisoned_v = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    for row in range(table.shape[0]):
+        for p in range(int(pos[row].max()) + 1):
+            block, off = int(table[row, p // block_size]), p % block_size
+            poisoned_k[block, off], poisoned_v[block, off] = k[block, off], v[block, off]
+    with torch_threads(threads):
+        out = op(q, poisoned_k, poisoned_v, table, pos, dim ** -0.5)
+    ref = reference(q.float(), k.float(), v.float(), table, pos, dim ** -0.5)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max() <= (2e-6 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("change,message", [

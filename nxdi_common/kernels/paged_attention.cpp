@@ -402,16 +402,24 @@ void accumulate_in_place(const Ops& ops, const kv_t* rows, int64_t stride, int64
   }
 }
 
-// Row b, KV heads [hk0, hk1) (their query heads are contiguous, h = hk * group + g): per token,
-// each KV head's K (then V) row is loaded once for all of its query heads and positions. With all
-// KV heads of a row in one task its blocks are read front to back. Block ids and positions are
-// checked where they are used.
+// Part `seg` of `segments` of a row's positions (whole blocks, front to back) attended by one
+// task, when a step has fewer rows than threads (run): per query, the largest score, the sum of
+// exp(score - that) and the values weighted by those exps; merged by merge_segments.
+struct Segment {
+  int64_t seg, segments;
+  float* partial;  // [queries of the row][dim + 2] (values, max, sum), or null: one segment, to out
+};
+
+// Row b, all KV heads (query head h reads KV head h / group): per token, each KV head's K (then
+// V) row is loaded once for all of its query heads and positions, and the row's blocks (of its
+// segment) are read front to back. Block ids and positions are checked where they are used.
 template <typename Ops, typename q_t, typename kv_t>
 void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc, const kv_t* vc,
                   const int64_t* table, const int64_t* pos, float scale, q_t* out, int64_t b,
-                  int64_t hk0, int64_t hk1) {
+                  Segment part) {
   using Prob = typename Ops::Prob;
   using Elem = typename Ops::Elem;
+  const int64_t hk0 = 0, hk1 = s.kv_heads;
   const int64_t d = s.dim, group = s.heads / s.kv_heads;
   const int64_t per_kv = group * s.queries, nq = (hk1 - hk0) * per_kv;
   const int64_t token_stride = s.kv_heads * d, limit = s.table_width * s.block_size;
@@ -429,6 +437,10 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
                 "in the block table's 0..", limit - 1, ", got ", last[qi]);
     n = std::max(n, last[qi] + 1);
   }
+  // This task's positions [p0, p1): whole blocks, the row's blocks shared out front to back.
+  const int64_t seg_blocks = (n + s.block_size - 1) / s.block_size;
+  const int64_t per_seg = (seg_blocks + part.segments - 1) / part.segments * s.block_size;
+  const int64_t p0 = std::min(n, part.seg * per_seg), p1 = std::min(n, p0 + per_seg);
   // Block by block, the next block prefetched; in a block, each KV head's rows 16 at a time are
   // made a tile once for all of its queries (widened to float32, or, on the bf16 dot products, K
   // as it is and V in interleaved pairs). Scores past a query's own position are
@@ -444,9 +456,9 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
                   "lie in the cache's 0..", s.num_blocks - 1, ", got ", block);
       return cache + block * s.block_size * token_stride;
     };
-    for (int64_t first = 0, i = 0; first < n; first += s.block_size, ++i) {
-      visit(first, std::min(s.block_size, n - first), at(i),
-            first + s.block_size < n ? at(i + 1) : nullptr);
+    for (int64_t first = p0, i = p0 / s.block_size; first < p1; first += s.block_size, ++i) {
+      visit(first, std::min(s.block_size, p1 - first), at(i),
+            first + s.block_size < p1 ? at(i + 1) : nullptr);
     }
   };
   // Head hk's rows t0..t0+m of the next block, into L2 ahead of their use. prefetcht1, not t0:
@@ -491,9 +503,16 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
     for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
       ops.scores_tile(tile_p, m, qv[qi], tile_scale, scores + qi * n + pos);
   });
-  std::vector<float> inv_sum(nq);
-  for (int64_t qi = 0; qi < nq; ++qi)
-    inv_sum[qi] = ops.probs(scores + qi * n, last[qi] + 1, probs + qi * pn, pn);
+  // Per query, the softmax of its scores in [p0, min(p1, its position + 1)): 1 / the sum of
+  // exps, and (segments) the largest score they are taken from; none: a query before p0.
+  std::vector<float> inv_sum(nq, 0.f), top(nq, -std::numeric_limits<float>::infinity());
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const int64_t len = std::min(p1, last[qi] + 1) - p0;
+    if (len <= 0) continue;
+    float* sc = scores + qi * n + p0;
+    if (part.partial != nullptr) top[qi] = *std::max_element(sc, sc + len);
+    inv_sum[qi] = ops.probs(sc, len, probs + qi * pn + p0, pn - p0);
+  }
   for_each_tile(vc, widen_v, [&](int64_t hk, int64_t pos, int64_t m, const kv_t* rows) {
     if constexpr (Ops::kValuesInPlace) {
       accumulate_in_place(ops, rows, token_stride, m, pos, (hk - hk0) * per_kv, per_kv,
@@ -505,6 +524,16 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
       if (use > 0) ops.accumulate_tile(tile_p, use, probs + qi * pn + pos, acc[qi]);
     }
   });
+  if (part.partial != nullptr) {  // the values' weighted sums, the max, the sum of exps
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      float* dst = part.partial + qi * (d + 2);
+      ops.store(acc[qi], dst);
+      for (int64_t j = 0; j < d; ++j) dst[j] *= Ops::kKvScale;
+      dst[d] = top[qi];
+      dst[d + 1] = inv_sum[qi] > 0.f ? 1.f / inv_sum[qi] : 0.f;
+    }
+    return;
+  }
   std::vector<float> tmp(d);
   for (int64_t qi = 0; qi < nq; ++qi) {
     ops.store(acc[qi], tmp.data());
@@ -637,6 +666,33 @@ void attend_heads_any(const Shapes& s, const q_t* q, const kv_t* k, const kv_t* 
   attend_heads(PortableOps{{}, s.dim}, s, q, k, v, args...);
 }
 
+// out[b, h, i] from the segments' partial sums of row b (Segment): each segment's exps rescaled
+// to the largest score of all, then the values' sums divided by the exps' sum.
+template <typename q_t>
+void merge_segments(const Shapes& s, const float* partials, int64_t segments, q_t* out) {
+  const int64_t d = s.dim, row_queries = s.heads * s.queries, part_size = row_queries * (d + 2);
+  std::vector<float> sum(d);
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t qi = 0; qi < row_queries; ++qi) {
+      auto at = [&](int64_t seg) {
+        return partials + (b * segments + seg) * part_size + qi * (d + 2);
+      };
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t seg = 0; seg < segments; ++seg) top = std::max(top, at(seg)[d]);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      float total = 0.f;
+      for (int64_t seg = 0; seg < segments; ++seg) {
+        const float* p = at(seg);
+        if (p[d + 1] == 0.f) continue;  // no positions of this query in the segment
+        const float w = std::exp(p[d] - top);
+        total += p[d + 1] * w;
+        for (int64_t j = 0; j < d; ++j) sum[j] += p[j] * w;
+      }
+      q_t* dst = out + (b * row_queries + qi) * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<q_t>(sum[j] / total);
+    }
+}
+
 template <typename q_t, typename kv_t>
 void run(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const at::Tensor& table, const at::Tensor& pos, double scale, at::Tensor& out) {
@@ -646,17 +702,27 @@ void run(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t* tp = table.const_data_ptr<int64_t>();
   const int64_t* pp = pos.const_data_ptr<int64_t>();
   q_t* op = out.mutable_data_ptr<q_t>();
-  // A task is a row's KV heads: all of them (its blocks read front to back) when there are
-  // enough rows for every thread, else one each.
-  const int64_t heads_per_task = s.batch >= at::get_num_threads() ? s.kv_heads : 1;
-  const int64_t tasks_per_row = s.kv_heads / heads_per_task;
-  at::parallel_for(0, s.batch * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
+  // A task is a row's positions for all KV heads: its blocks read front to back, every byte of
+  // each block used. With fewer rows than threads each row is cut into segments of whole blocks,
+  // one a thread, merged afterwards (merge_segments). Until 2026-11-26 such a row was split by KV
+  // head instead; with 3 KV heads on two threads each read 128 of every 384 bytes of a token, and
+  // two threads were no faster than one (bench/bench_paged_op.py --rows 1 --length 1792 on AMD
+  // Zen 4: 2.2-2.8 ms a step against 1.6-2.3 with two segments). With 3 rows on two threads,
+  // segments (balancing the work) were no faster than whole rows: from memory this kernel is
+  // bound by memory, not by the dot products.
+  const int64_t threads = at::get_num_threads();
+  const int64_t segments = s.batch < threads ? (threads + s.batch - 1) / s.batch : 1;
+  const int64_t row_queries = s.heads * s.queries, part_size = row_queries * (s.dim + 2);
+  std::vector<float> partials(segments > 1 ? s.batch * segments * part_size : 0);
+  at::parallel_for(0, s.batch * segments, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / tasks_per_row, hk0 = task % tasks_per_row * heads_per_task;
-      attend_heads_any(s, qp, kp, vp, tp, pp, static_cast<float>(scale), op, b, hk0,
-                                  hk0 + heads_per_task);
+      const Segment part{task % segments, segments,
+                         segments > 1 ? partials.data() + task * part_size : nullptr};
+      attend_heads_any(s, qp, kp, vp, tp, pp, static_cast<float>(scale), op, task / segments,
+                       part);
     }
   });
+  if (segments > 1) merge_segments(s, partials.data(), segments, op);
 }
 
 template <typename q_t>
