@@ -53,6 +53,18 @@ def reference(q, k_cache, v_cache, table, pos, scale=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
+def poisoned(k, v, table, pos):
+    """Copies of the caches with NaN everywhere a row must not read: past its last position in
+    its blocks, and in every block outside the table."""
+    block_size = k.shape[1]
+    poisoned_k, poisoned_v = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    for row in range(table.shape[0]):
+        for p in range(int(pos[row].max()) + 1):
+            block, off = int(table[row, p // block_size]), p % block_size
+            poisoned_k[block, off], poisoned_v[block, off] = k[block, off], v[block, off]
+    return poisoned_k, poisoned_v
+
+
 def case(seed, dtype=torch.float32, kv_dtype=None, heads=6, kv_heads=2, queries=1, dim=16,
          width=6, num_blocks=40, positions=(0, 3, 4, 13, 23), block_size=BS):
     """q, caches, a shuffled block table (distinct blocks per row) and positions [B, queries]
@@ -112,11 +124,7 @@ def test_reads_only_each_rows_own_positions(op, dtype, dim, block_size, queries)
     q, k, v, table, pos = case(2, dtype, dim=dim, queries=queries, block_size=block_size,
                                width=48 // block_size + 1, num_blocks=8 * (48 // block_size + 1),
                                positions=(0, 3, 4, 13, 23, 47))
-    poisoned_k, poisoned_v = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-    for row in range(table.shape[0]):
-        for p in range(int(pos[row].max()) + 1):
-            block, off = int(table[row, p // block_size]), p % block_size
-            poisoned_k[block, off], poisoned_v[block, off] = k[block, off], v[block, off]
+    poisoned_k, poisoned_v = poisoned(k, v, table, pos)
     out = op(q, poisoned_k, poisoned_v, table, pos, 0.25)
     assert torch.isfinite(out).all()
     assert torch.equal(out, op(q, k, v, table, pos, 0.25))
@@ -163,11 +171,7 @@ def test_rows_cut_into_segments_for_the_threads(op, threads, positions, dtype, k
     q, k, v, table, pos = case(9, dtype, kv_dtype, heads=9, kv_heads=3, queries=queries, dim=dim,
                                width=width, num_blocks=4 * width + 4, positions=positions,
                                block_size=block_size)
-    poisoned_k, poisoned_v = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-    for row in range(table.shape[0]):
-        for p in range(int(pos[row].max()) + 1):
-            block, off = int(table[row, p // block_size]), p % block_size
-            poisoned_k[block, off], poisoned_v[block, off] = k[block, off], v[block, off]
+    poisoned_k, poisoned_v = poisoned(k, v, table, pos)
     with torch_threads(threads):
         out = op(q, poisoned_k, poisoned_v, table, pos, dim ** -0.5)
     ref = reference(q.float(), k.float(), v.float(), table, pos, dim ** -0.5)

@@ -419,12 +419,11 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
                   Segment part) {
   using Prob = typename Ops::Prob;
   using Elem = typename Ops::Elem;
-  const int64_t hk0 = 0, hk1 = s.kv_heads;
   const int64_t d = s.dim, group = s.heads / s.kv_heads;
-  const int64_t per_kv = group * s.queries, nq = (hk1 - hk0) * per_kv;
+  const int64_t per_kv = group * s.queries, nq = s.kv_heads * per_kv;
   const int64_t token_stride = s.kv_heads * d, limit = s.table_width * s.block_size;
-  // Query qi = (h - h0) * queries + i: contiguous in q and out from row b, head h0.
-  const int64_t first_row = (b * s.heads + hk0 * group) * s.queries;
+  // Query qi = h * queries + i: contiguous in q and out from row b's first, first_row.
+  const int64_t first_row = b * nq;
   std::vector<typename Ops::Query> qv(nq);
   std::vector<typename Ops::Acc> acc(nq);
   std::vector<int64_t> last(nq);
@@ -485,7 +484,7 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   // only without kValuesInPlace), which lie in the cache from `rows` on, token_stride apart.
   auto for_each_tile = [&](const kv_t* cache, auto&& widen, auto&& use) {
     for_each_block(cache, [&](int64_t first, int64_t count, const kv_t* base, const kv_t* next) {
-      for (int64_t hk = hk0; hk < hk1; ++hk)
+      for (int64_t hk = 0; hk < s.kv_heads; ++hk)
         for (int64_t t0 = 0; t0 < count; t0 += kTile) {
           const int64_t m = std::min(kTile, count - t0);
           prefetch(next, hk, t0, m);
@@ -500,7 +499,7 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   auto widen_v = [&](auto... a) { ops.widen_v(a...); };
   const float tile_scale = scale * Ops::kKvScale;  // scores of tiles that hold K / kKvScale
   for_each_tile(kc, widen_k, [&](int64_t hk, int64_t pos, int64_t m, const kv_t*) {
-    for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi)
+    for (int64_t qi = hk * per_kv, end = qi + per_kv; qi < end; ++qi)
       ops.scores_tile(tile_p, m, qv[qi], tile_scale, scores + qi * n + pos);
   });
   // Per query, the softmax of its scores in [p0, min(p1, its position + 1)): 1 / the sum of
@@ -515,11 +514,11 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   }
   for_each_tile(vc, widen_v, [&](int64_t hk, int64_t pos, int64_t m, const kv_t* rows) {
     if constexpr (Ops::kValuesInPlace) {
-      accumulate_in_place(ops, rows, token_stride, m, pos, (hk - hk0) * per_kv, per_kv,
+      accumulate_in_place(ops, rows, token_stride, m, pos, hk * per_kv, per_kv,
                           last.data(), probs, pn, acc.data());
       return;
     }
-    for (int64_t qi = (hk - hk0) * per_kv, end = qi + per_kv; qi < end; ++qi) {
+    for (int64_t qi = hk * per_kv, end = qi + per_kv; qi < end; ++qi) {
       const int64_t use = std::min(m, last[qi] + 1 - pos);
       if (use > 0) ops.accumulate_tile(tile_p, use, probs + qi * pn + pos, acc[qi]);
     }
