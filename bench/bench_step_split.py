@@ -82,7 +82,7 @@ def application_overhead(model, rounds: int) -> None:
     token = torch.ones(1, 1, dtype=torch.long)
 
     def call():
-        model.next_positions.fill_(100)  # the stub's step never ends the sequence
+        model._next = [100] * len(model._next)  # the stub's step never ends the sequence
         model(token)
     for _ in range(rounds):
         began = time.perf_counter()

@@ -533,8 +533,8 @@ class DecodeEngine:
         table = [(s.block_table + [scratch] * width)[:width] for s in batch]
         return dict(
             input_ids=torch.tensor([[s.generated[-1]] for s in batch]),
-            seq_ids=torch.tensor([s.slot for s in batch]),
-            position_ids=torch.tensor(positions).unsqueeze(1),
+            seq_ids=torch.tensor([s.slot for s in batch], dtype=torch.int32),
+            position_ids=torch.tensor([[p] for p in positions]),
             sampling_params=torch.tensor([s.job.sampling.as_row() for s in batch]),
             slot_mapping=torch.tensor([self.slots(s, p, p + 1) for s, p in zip(batch, positions)]),
             block_table=torch.tensor(table),

@@ -62,7 +62,19 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.random_source = SamplingRandomSource.from_config(odsc) if odsc else None
         self.kv_cache = None
         self.kv_cache_populated = False
-        self.next_positions = torch.zeros(self.neuron_config.max_batch_size, dtype=torch.long)
+        # each cache row's next position, in Python: a decode step's few values are read and
+        # written without a tensor op (see _run_token_gen)
+        self._next = [0] * self.neuron_config.max_batch_size
+        # constant small inputs by shape / batch: one tensor op less each per call
+        self._ones: dict[tuple, torch.Tensor] = {}
+        self._aranges: dict[int, torch.Tensor] = {}
+        self._default_params: dict[tuple, torch.Tensor] = {}
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def next_positions(self) -> torch.Tensor:
+        """[max_batch_size] each cache row's next position (a copy)."""
+        return torch.tensor(self._next, dtype=torch.long)
 
     def _on_loaded(self) -> None:
         self.kv_cache = self._model.kv_mgr.allocate()
@@ -83,7 +95,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def reset(self) -> None:
         """After a reset the next forward runs context encoding."""
         self.kv_cache_populated = False
-        self.next_positions.zero_()
+        self._next = [0] * self.neuron_config.max_batch_size
         if self.random_source is not None:
             self.random_source.reset()
 
@@ -119,20 +131,32 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         if input_capture_hook is not None:
             input_capture_hook(self, [input_ids, attention_mask, position_ids, seq_ids, sampling_params])
         seq_ids = self._seq_ids(input_ids, seq_ids)
-        if self._is_context(input_ids, position_ids):
+        # the positions as Python ints, read once: the checks and bookkeeping below need no
+        # tensor op (each costs ~10 us right after a step has streamed the weights through the
+        # caches, BENCHMARKS.md session 31)
+        if position_ids is not None and position_ids.dim() != 2:
+            raise ValueError(f"position_ids must be [batch, seq] like input_ids, got shape "
+                             f"{list(position_ids.shape)}")
+        rows = None if position_ids is None else position_ids.tolist()
+        if self._is_context(input_ids, rows):
             return self._run_context(input_ids, attention_mask, seq_ids, sampling_params,
                                      slot_mapping, block_table, rand)
         if input_ids.shape[1] > 1 and position_ids is not None:
             return self._run_chunk(input_ids, position_ids, seq_ids, sampling_params,
                                    slot_mapping, block_table, rand)
         return self._run_token_gen(input_ids, position_ids, seq_ids, sampling_params, slot_mapping,
-                                   block_table, rand)
+                                   block_table, rand, rows)
 
     def _seq_ids(self, input_ids, seq_ids) -> torch.Tensor:
         if input_ids is None or input_ids.dim() != 2:
             raise ValueError("input_ids must be a [batch, seq] integer tensor")
         b = input_ids.shape[0]
-        seq_ids = torch.arange(b, dtype=torch.int32) if seq_ids is None else seq_ids.to(torch.int32)
+        if seq_ids is None:
+            if b not in self._aranges:
+                self._aranges[b] = torch.arange(b, dtype=torch.int32)
+            seq_ids = self._aranges[b]
+        elif seq_ids.dtype != torch.int32:
+            seq_ids = seq_ids.to(torch.int32)
         limit = self.neuron_config.max_batch_size
         ids = seq_ids.tolist()  # a batch's few ints, checked in Python: no tensor op per check
         if (seq_ids.shape != (b,) or not ids or min(ids) < 0 or max(ids) >= limit
@@ -144,31 +168,50 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def _check_token_ids(self, ids) -> None:
         """Token ids must index the vocabulary (an out-of-range id fails deep in the embedding)."""
         vocab = self.config.vocab_size
-        if not ids.numel():
+        n = ids.numel()
+        if not n:
             return
-        low, high = (int(v) for v in torch.aminmax(ids))
+        if n <= 64:  # a decode step's few tokens: one tolist, not a reduction and two items
+            values = ids.reshape(-1).tolist() if ids.dim() != 2 else [v for r in ids.tolist()
+                                                                     for v in r]
+            low, high = int(min(values)), int(max(values))
+        else:
+            low, high = (int(v) for v in torch.aminmax(ids))
         if low < 0 or high >= vocab:
             bad = low if low < 0 else high
             raise ValueError(f"token id {bad} is out of range: input_ids must be in [0, {vocab}) "
                              f"(vocab_size)")
 
-    def _is_context(self, input_ids, position_ids) -> bool:
-        if position_ids is not None:
-            return int(position_ids[:, 0].min()) == 0
+    def _is_context(self, input_ids, rows) -> bool:
+        """rows: position_ids as lists (None when not given)."""
+        if rows is not None:
+            return min(row[0] for row in rows) == 0
         return input_ids.shape[1] > 1 or not self.kv_cache_populated
 
     def _sampling_inputs(self, batch: int, sampling_params, rand=None):
         """sampling_params [B, 3] and rand [B] for the graph (the caller's rand when given)."""
-        odsc = self.neuron_config.on_device_sampling_config
         if sampling_params is None:
-            sampling_params = sampling_params_from_config(odsc, batch) if odsc else torch.ones(batch, 3)
+            sampling_params = self._config_params(batch)
+        elif sampling_params.dtype != torch.float32:
+            sampling_params = sampling_params.to(torch.float32)
         if rand is not None:
             if tuple(rand.shape) != (batch,):
                 raise ValueError(f"rand must be [batch] = [{batch}] uniforms in [0, 1), "
                                  f"got shape {list(rand.shape)}")
-            return sampling_params.to(torch.float32), rand.to(torch.float32)
+            return sampling_params, rand if rand.dtype == torch.float32 else rand.to(torch.float32)
         rand = self.random_source.draw(batch) if self.random_source else torch.zeros(batch)
-        return sampling_params.to(torch.float32), rand
+        return sampling_params, rand
+
+    def _config_params(self, batch: int) -> torch.Tensor:
+        """[batch, 3] sampling_params from the on-device sampling config (ones without one),
+        kept per batch and config values: the graph only reads them."""
+        odsc = self.neuron_config.on_device_sampling_config
+        key = (batch,) + (tuple(getattr(odsc, name, None) for name in
+                                ("top_k", "top_p", "temperature")) if odsc else ())
+        if key not in self._default_params:
+            self._default_params[key] = (sampling_params_from_config(odsc, batch) if odsc
+                                         else torch.ones(batch, 3))
+        return self._default_params[key]
 
     def _run_context(self, input_ids, attention_mask, seq_ids, sampling_params, slots, table,
                      rand=None):
@@ -182,31 +225,48 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         params, rand = self._sampling_inputs(b, sampling_params, rand)
         inputs = (ids, mask, positions, seq_ids, params, rand, slots, table)
         outputs = self.context_encoding_model(inputs, self.kv_cache, self.weights, self.scratch)
-        self.next_positions.index_copy_(0, seq_ids.long(), lengths)
+        for row, length in zip(seq_ids.tolist(), lengths.tolist()):
+            self._next[row] = length
         self.kv_cache_populated = True
         return self._output(outputs)
 
     def _run_token_gen(self, input_ids, position_ids, seq_ids, sampling_params, slots, table,
-                       rand=None):
-        position_ids = self._token_gen_positions(input_ids, position_ids, seq_ids)
+                       rand=None, rows=None):
+        position_ids, last = self._token_gen_positions(input_ids, position_ids, seq_ids, rows)
         inputs = self._graph_inputs(input_ids, position_ids, seq_ids, sampling_params, slots,
                                     table, rand)
-        outputs = self.token_generation_model(inputs, self.kv_cache, self.weights, self.scratch)
-        self.next_positions.index_copy_(0, seq_ids.long(), position_ids[:, 0] + 1)
+        outputs = self.token_generation_model(inputs, self.kv_cache, self.weights, self.scratch,
+                                              needed=max(last) + 1)
+        self._advance(seq_ids, last)
         return self._output(outputs)
 
-    def _token_gen_positions(self, input_ids, position_ids, seq_ids) -> torch.Tensor:
-        """Checked [B, 1] positions of a token-generation call (default: each row's next)."""
+    def _advance(self, seq_ids, last: list[int]) -> None:
+        """Each row's next position follows the last one it just ran."""
+        for row, position in zip(seq_ids.tolist(), last):
+            self._next[row] = position + 1
+
+    def _token_gen_positions(self, input_ids, position_ids, seq_ids, rows=None):
+        """Checked [B, 1] positions of a token-generation call (default: each row's next), and
+        the same as a list of ints. rows: position_ids.tolist() when the caller has it."""
         if input_ids.shape[1] != 1:
             raise ValueError("token generation takes one new token per sequence (input_ids [B, 1])")
         if position_ids is None:
-            position_ids = self.next_positions[seq_ids.long()].unsqueeze(1)
-        position_ids = position_ids[:, -1:].long()
-        if int(position_ids.max()) >= self.neuron_config.seq_len:
-            raise ValueError(f"position {int(position_ids.max())} is past seq_len "
+            last = [self._next[row] for row in seq_ids.tolist()]
+            position_ids = torch.tensor([[p] for p in last], dtype=torch.long)
+        else:
+            last = [row[-1] for row in (position_ids.tolist() if rows is None else rows)]
+            if position_ids.shape[1] != 1:
+                position_ids = position_ids[:, -1:]
+            if position_ids.dtype != torch.long:
+                position_ids = position_ids.long()
+                last = [int(p) for p in last]
+        if min(last) < 0:
+            raise ValueError(f"position_ids must be >= 0, got {min(last)}")
+        if max(last) >= self.neuron_config.seq_len:
+            raise ValueError(f"position {max(last)} is past seq_len "
                              f"{self.neuron_config.seq_len}; the sequence is full")
         self._check_token_ids(input_ids)
-        return position_ids
+        return position_ids, last
 
     def _run_chunk(self, input_ids, position_ids, seq_ids, sampling_params, slots, table,
                    rand=None):
@@ -216,7 +276,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         inputs = self._graph_inputs(input_ids, position_ids, seq_ids, sampling_params, slots,
                                     table, rand)
         outputs = self.chunked_prefill_model(inputs, self.kv_cache, self.weights, self.scratch)
-        self.next_positions.index_copy_(0, seq_ids.long(), position_ids[:, -1] + 1)
+        self._advance(seq_ids, [row[-1] for row in position_ids.tolist()])
         self.kv_cache_populated = True
         return self._output(outputs)
 
@@ -243,7 +303,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         c_seq = self._seq_ids(chunk.get("input_ids"), chunk.get("seq_ids"))
         d_seq = self._seq_ids(decode.get("input_ids"), decode.get("seq_ids"))
         c_pos = self._chunk_positions(chunk["input_ids"], chunk["position_ids"])
-        d_pos = self._token_gen_positions(decode["input_ids"], decode.get("position_ids"), d_seq)
+        d_pos, d_last = self._token_gen_positions(decode["input_ids"], decode.get("position_ids"),
+                                                  d_seq)
         c, d = ({name: t for name, t in zip(GRAPH_INPUT_NAMES, self._graph_inputs(
                     part["input_ids"], pos, seq, part.get("sampling_params"),
                     part.get("slot_mapping"), part.get("block_table"), part.get("rand")))}
@@ -264,8 +325,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                   rows("block_table"))
         size = min(c for c in self.mixed_models if c >= c_pos.shape[1])
         outputs = self.mixed_models[size](inputs, self.kv_cache, self.weights, self.scratch)
-        self.next_positions.index_copy_(0, c_seq.long(), c_pos[:, -1] + 1)
-        self.next_positions.index_copy_(0, d_seq.long(), d_pos[:, 0] + 1)
+        self._advance(c_seq, [row[-1] for row in c_pos.tolist()])
+        self._advance(d_seq, d_last)
         self.kv_cache_populated = True
         return self._output(outputs)
 
@@ -275,8 +336,11 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         checked positions [B, S] given."""
         slots, table = self._block_indices(seq_ids, positions, None, slots, table)
         params, rand = self._sampling_inputs(positions.shape[0], sampling_params, rand)
-        return (input_ids.long(), torch.ones_like(positions), positions, seq_ids, params, rand,
-                slots, table)
+        shape = tuple(positions.shape)
+        if shape not in self._ones:  # the attention mask: every token real
+            self._ones[shape] = torch.ones(shape, dtype=torch.long)
+        ids = input_ids if input_ids.dtype == torch.long else input_ids.long()
+        return ids, self._ones[shape], positions, seq_ids, params, rand, slots, table
 
     def _chunk_positions(self, input_ids, position_ids) -> torch.Tensor:
         """Checked [1, S] positions of a chunk of a prompt."""
@@ -306,18 +370,27 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         nc = self.neuron_config
         b = positions.shape[0]
         if not nc.is_block_kv_layout:
-            return torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1, dtype=torch.long)
+            if ("flat", b) not in self._ones:  # dummies the flat layout's graph ignores
+                self._ones["flat", b] = torch.zeros(b, 1, dtype=torch.long)
+            return self._ones["flat", b], self._ones["flat", b]
         if slots is not None and table is not None:  # padding positions write to scratch
             if mask is None:
-                return slots.long(), table.long()
+                return (slots if slots.dtype == torch.long else slots.long(),
+                        table if table.dtype == torch.long else table.long())
             pad = torch.full_like(slots.long(), self.scratch[1] * nc.pa_block_size)
             return torch.where(mask.bool(), slots.long(), pad), table.long()
         bs, per_seq = nc.pa_block_size, -(-nc.seq_len // nc.pa_block_size)
         if nc.pa_num_blocks < nc.max_batch_size * per_seq:
             raise ValueError("pass slot_mapping and block_table: pa_num_blocks is too small for a "
                              "contiguous block range per sequence")
-        table = seq_ids.long().unsqueeze(1) * per_seq + torch.arange(per_seq)  # [B, per_seq]
-        slots = table.gather(1, positions // bs) * bs + positions % bs
+        rows = tuple(seq_ids.tolist())
+        if rows not in self._tables:  # row r holds blocks r * per_seq .. (r + 1) * per_seq - 1
+            if len(self._tables) >= 64:
+                self._tables.clear()
+            first = torch.tensor([[r * per_seq * bs] for r in rows])  # [B, 1] its first slot
+            self._tables[rows] = first // bs + torch.arange(per_seq), first  # [B, per_seq]
+        table, first = self._tables[rows]
+        slots = positions + first
         if mask is not None:
             slots = torch.where(mask.bool(), slots, torch.full_like(slots, self.scratch[1] * bs))
         return slots, table

@@ -151,16 +151,21 @@ class ModelWrapper:
                 return model(*inputs, kv_cache, **kw)
         return run
 
-    def __call__(self, inputs: tuple, kv_cache, weights, scratch: tuple[int, int]):
+    def __call__(self, inputs: tuple, kv_cache, weights, scratch: tuple[int, int],
+                 needed: int | None = None):
         """Pad `inputs` (the 8 graph inputs, unpadded) to the chosen bucket, run, unpad. A mixed
         call's batch is its decode rows (block_table's rows after the chunk's); its outputs keep
-        the chunk's row first."""
+        the chunk's row first. needed: the sequence length the bucket must hold (default: the
+        prompt's for context encoding, else the largest position + 1)."""
         batch = inputs[7].shape[0] - 1 if self.is_mixed else inputs[0].shape[0]
-        needed = inputs[0].shape[1] if self.is_context else int(inputs[2].max()) + 1
+        if needed is None:
+            needed = inputs[0].shape[1] if self.is_context else int(inputs[2].max()) + 1
         key = self.select_bucket(batch, needed)
         pad = self._pad_mixed_inputs if self.is_mixed else self._pad_inputs
         outputs = self.runnables[key](*pad(inputs, key, scratch), kv_cache, weights)
         rows = batch + 1 if self.is_mixed else batch
+        if all(o.shape[0] == rows for o in outputs):  # the batch filled its bucket
+            return tuple(outputs)
         return tuple(o[:rows] for o in outputs)
 
     def _pad_inputs(self, inputs, key, scratch):
@@ -181,7 +186,8 @@ class ModelWrapper:
         rows = [_pad(_pad(ids, 1, s, 0), 0, b, 0), _pad(_pad(mask, 1, s, 0), 0, b, 0),
                 _pad(pos, 0, b, 0), _pad(seq, 0, b, scratch_row), _pad(params, 0, b, 1.0),
                 _pad(rand, 0, b, 0.0), _pad(_pad(slots, 1, s, slot_fill), 0, b, slot_fill),
-                _pad(_pad(table[:, :width], 1, width, scratch_block), 0, b, scratch_block)]
+                _pad(_pad(table[:, :width] if table.shape[1] > width else table, 1, width,
+                          scratch_block), 0, b, scratch_block)]
         return tuple(rows)
 
     def _pad_mixed_inputs(self, inputs, key, scratch):

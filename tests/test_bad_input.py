@@ -208,6 +208,12 @@ TOKEN_GEN_FAILURES = {
         lambda m, nxt: m(nxt, seq_ids=torch.tensor([0, 5])), r"seq_ids"),
     "token id >= vocab_size": (
         lambda m, nxt: m(torch.full_like(nxt, VOCAB + 1)), rf"token id {VOCAB + 1}"),
+    "negative position": (
+        lambda m, nxt: m(nxt, position_ids=torch.tensor([[7], [-3]])),
+        r"position_ids must be >= 0, got -3"),
+    "1-D position_ids": (
+        lambda m, nxt: m(nxt, position_ids=torch.tensor([7, 7])),
+        r"position_ids must be \[batch, seq\].*\[2\]"),
 }
 
 
@@ -248,4 +254,26 @@ def test_generate_with_wrong_number_of_prompts(served):
     generated = adapter.generate(PROMPT, max_new_tokens=3)
     assert generated.shape == (BATCH, PROMPT.shape[1] + 3)
     assert torch.equal(generated[:, PROMPT.shape[1]], reference[0].argmax(-1))
+    assert torch.equal(valid_request(model), reference)
+
+
+def test_next_positions_follow_the_calls(served):
+    """Each cache row's next position (kept in Python, read without a tensor op): the prompt's
+    length after context encoding, one more after each step; a step without position_ids runs
+    there, and next_positions hands out a copy."""
+    model, reference = served
+    model.reset()
+    lengths = torch.tensor([6, 4])
+    mask = (torch.arange(6) < lengths[:, None]).long()
+    nxt = model(PROMPT, attention_mask=mask).logits.argmax(-1, keepdim=True)
+    assert model.next_positions.tolist()[:BATCH] == [6, 4]
+    model.next_positions.fill_(50)  # a copy: the model's own positions stay
+    explicit = model(nxt, position_ids=lengths[:, None]).logits
+    assert model.next_positions.tolist()[:BATCH] == [7, 5]
+    model(nxt[1:], seq_ids=torch.tensor([1]), position_ids=torch.tensor([[5]]))
+    assert model.next_positions.tolist()[:BATCH] == [7, 6]
+    model.reset()
+    assert model.next_positions.tolist() == [0] * model.neuron_config.max_batch_size
+    model(PROMPT, attention_mask=mask)
+    assert torch.equal(model(nxt).logits, explicit)  # default positions: 6 and 4 again
     assert torch.equal(valid_request(model), reference)
