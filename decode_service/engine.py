@@ -425,9 +425,11 @@ class DecodeEngine:
                 seq.fail(exc)
 
     def _finish_step(self, seqs: list[Sequence], out) -> None:
-        for i, seq in enumerate(seqs):
-            token = int(out.tokens[i])
-            logprob, top = token_logprobs(out.logits[i], token, seq.job.sampling, self.tokenizer)
+        # the tokens in one tolist, a row's logits only where its request wants logprobs: a
+        # tensor op per row costs ~10 us right after a step (BENCHMARKS.md, session 31)
+        for i, (seq, token) in enumerate(zip(seqs, out.tokens.tolist())):
+            logprob, top = (token_logprobs(out.logits[i], token, seq.job.sampling, self.tokenizer)
+                            if seq.job.sampling.logprobs else (None, ()))
             seq.add_token(token, logprob, top)
             if seq.finished:
                 self.scheduler.remove(seq)
