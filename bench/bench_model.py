@@ -10,7 +10,10 @@ whose decode attention is SDPA over the whole 640-token bucket.
 
 Figures: prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1 and aggregate at batch
 16 (128 new tokens); the memory-bandwidth bound (weight bytes / measured read bandwidth); peak
-resident memory while loading (measured in a fresh process)."""
+resident memory while loading (measured in a fresh process). The decode figures and the read
+bandwidth come from --rounds rounds of (probe, batch 1, batch 16, probe), each round's batch 1
+set against the bound from its own probes and its batch 16 against its own batch 1
+(speed_figures)."""
 from __future__ import annotations
 
 import argparse
@@ -187,6 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--sampling", choices=("device", "host"), default="device",
                    help="greedy next token: on-device sampling in our graph (NxD Inference's way, "
                         "and our workers'), or argmax of the returned logits on the host")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of (read probe, batch 1, batch 16, read probe) for the decode "
+                        "figures (speed_figures)")
     p.add_argument("--int8", action="store_true",
                    help="also measure int8 weights (per-channel, torch's weight-only int8 kernel)")
     args = p.parse_args(argv)
@@ -200,18 +206,19 @@ def main(argv=None) -> int:
     res = {"dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
            "kv_layout": args.kv_layout, "weight_layout": args.weight_layout,
            "sampling": args.sampling}
-    res["read_bandwidth_gbs"] = read_bandwidth_gbs()
     res["weight_bytes"] = weight_bytes(model_dir, dtype)
-    res["bound_tok_s"] = res["read_bandwidth_gbs"] * 1e9 / res["weight_bytes"]
     ours, path1 = speed_figures(model_dir, dtype, compiled_root, kv_layout=args.kv_layout,
-                                weight_layout=args.weight_layout, sampling=args.sampling)
+                                weight_layout=args.weight_layout, sampling=args.sampling,
+                                rounds=args.rounds, weights=res["weight_bytes"])
+    res["read_bandwidth_gbs"] = ours.pop("read_bandwidth_gbs")  # the rounds' median
+    res["bound_tok_s"] = res["read_bandwidth_gbs"] * 1e9 / res["weight_bytes"]
     ours.update(load_memory(model_dir, path1))
     res["nxdi"] = ours
     if args.int8:
         res["nxdi_int8"] = speed_figures(model_dir, dtype, compiled_root, int8=True,
                                          kv_layout=args.kv_layout,
                                          weight_layout=args.weight_layout,
-                                         sampling=args.sampling)[0]
+                                         sampling=args.sampling, rounds=args.rounds)[0]
     if not args.skip_hf:
         res["transformers"] = hf_figures(model_dir, dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -221,16 +228,36 @@ def main(argv=None) -> int:
 
 
 def speed_figures(model_dir: str, dtype, compiled_root: Path, int8: bool = False,
-                  kv_layout: str = "flat", weight_layout: str = "auto", sampling: str = "device"):
-    """(prefill and decode tokens/s, the batch-1 compiled folder) of our model."""
-    model, path1 = build_ours(model_dir, dtype, 1, compiled_root, int8, kv_layout, weight_layout,
-                              sampling)
-    out = {"prefill_tok_s": ours_prefill(model),
-           "decode_b1_tok_s": max(ours_decode(model, 1) for _ in range(2))}
-    del model
-    model, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root, int8, kv_layout,
-                          weight_layout, sampling)
-    out[f"decode_b{BIG_BATCH}_tok_s"] = ours_decode(model, BIG_BATCH)
+                  kv_layout: str = "flat", weight_layout: str = "auto", sampling: str = "device",
+                  rounds: int = 5, weights: int | None = None):
+    """(prefill and decode tokens/s, the batch-1 compiled folder) of our model.
+
+    The decode figures come from `rounds` rounds of: read probe, batch 1, batch 16, read probe.
+    On a VM whose read bandwidth moves 30-56 GB/s within the hour (BENCHMARKS.md, session 28) a
+    probe taken minutes before the decode runs, and batch 1 and batch 16 taken minutes apart,
+    compared different machine states; each round's shares (batch 1 against the bound from its
+    own two probes, batch 16 against its own batch 1) compare one. The figures are the medians
+    over the rounds, each round's kept in "rounds"."""
+    one, path1 = build_ours(model_dir, dtype, 1, compiled_root, int8, kv_layout, weight_layout,
+                            sampling)
+    out = {"prefill_tok_s": ours_prefill(one)}
+    big, _ = build_ours(model_dir, dtype, BIG_BATCH, compiled_root, int8, kv_layout,
+                        weight_layout, sampling)
+    out["rounds"] = []
+    for i in range(rounds):
+        before = read_bandwidth_gbs()
+        b1, b16 = ours_decode(one, 1), ours_decode(big, BIG_BATCH)
+        gbs = (before + read_bandwidth_gbs()) / 2
+        row = {"read_bandwidth_gbs": gbs, "decode_b1_tok_s": b1,
+               f"decode_b{BIG_BATCH}_tok_s": b16, f"b{BIG_BATCH}_over_b1": b16 / b1}
+        if weights:
+            row["b1_share_of_bound"] = b1 / (gbs * 1e9 / weights)
+        out["rounds"].append(row)
+        print(f"round {i + 1}/{rounds}: read {gbs:.1f} GB/s, batch 1 {b1:.1f} tok/s"
+              + (f" ({row['b1_share_of_bound']:.0%} of its bound)" if weights else "")
+              + f", batch {BIG_BATCH} {b16:.1f} tok/s ({b16 / b1:.1f}x)", flush=True)
+    for key in out["rounds"][0]:
+        out[key] = statistics.median(r[key] for r in out["rounds"])
     return out, path1
 
 
@@ -249,13 +276,22 @@ def markdown(res: dict) -> str:
         if int8:
             line += f" {int8[key]:.1f} | {int8[key] / h:.2f}x |" if h else f" {int8[key]:.1f} | - |"
         lines.append(line)
+    rounds = ours.get("rounds", [])
+    share = [r["b1_share_of_bound"] for r in rounds if "b1_share_of_bound" in r]
+    ratio = [r[f"b{BIG_BATCH}_over_b1"] for r in rounds]
     lines.append(f"\nour KV layout: {res.get('kv_layout', 'flat')}; weight layout "
                  f"{res.get('weight_layout', 'auto')}; "
-                 f"read bandwidth {res['read_bandwidth_gbs']:.1f} GB/s; weights "
-                 f"{res['weight_bytes'] / 1e6:.0f} MB; bound {res['bound_tok_s']:.1f} tok/s; "
-                 f"batch-1 decode = {ours['decode_b1_tok_s'] / res['bound_tok_s']:.0%} of bound; "
-                 f"batch-{BIG_BATCH} / batch-1 = "
-                 f"{ours[f'decode_b{BIG_BATCH}_tok_s'] / ours['decode_b1_tok_s']:.1f}x")
+                 f"read bandwidth {res['read_bandwidth_gbs']:.1f} GB/s (median of {len(rounds)} "
+                 f"rounds); weights {res['weight_bytes'] / 1e6:.0f} MB; bound "
+                 f"{res['bound_tok_s']:.1f} tok/s")
+    if share:
+        lines.append(f"batch-1 decode against its round's bound: median "
+                     f"{ours['b1_share_of_bound']:.0%} (rounds "
+                     f"{', '.join(f'{x:.0%}' for x in share)})")
+    if ratio:
+        lines.append(f"batch-{BIG_BATCH} / batch-1 in the same round: median "
+                     f"{ours[f'b{BIG_BATCH}_over_b1']:.1f}x (rounds "
+                     f"{', '.join(f'{x:.1f}x' for x in ratio)})")
     lines.append(f"memory: load() adds {ours['load_rss_growth_bytes'] / 1e6:.0f} MB resident, "
                  f"{ours['warm_rss_growth_bytes'] / 1e6:.0f} MB after warm-up (weights "
                  f"{res['weight_bytes'] / 1e6:.0f} MB + KV {ours['kv_cache_bytes'] / 1e6:.0f} MB)")
