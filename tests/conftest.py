@@ -23,6 +23,25 @@ def one_torch_thread():
 
 
 @pytest.fixture
+def torch_threads():
+    """torch_threads(n): a context of n intra-op threads, the caller's count again after (a
+    test that changes it must put it back: one_torch_thread is module-scoped)."""
+    import contextlib
+
+    import torch
+
+    @contextlib.contextmanager
+    def threads(n: int):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+    return threads
+
+
+@pytest.fixture
 def compile_cache_dir(tmp_path, monkeypatch):
     """A private persistent compile cache for the test (never ~/.cache); CompileCache reads
     $NXDI_COMPILE_CACHE when a model is constructed."""

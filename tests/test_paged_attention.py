@@ -3,7 +3,6 @@ table, reads nothing past a row's own position or outside its blocks, refuses ou
 ids and positions, and is chosen, recorded and loaded with compiled graphs as configured."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -27,18 +26,6 @@ BS = 4  # block size of the synthetic caches
 @pytest.fixture(scope="module")
 def op():
     return kernels.paged_attention()
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """n intra-op threads inside, the module's one thread again after (one_torch_thread is
-    module-scoped)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def reference(q, k_cache, v_cache, table, pos, scale=None):
@@ -147,7 +134,7 @@ def test_bf16_runs_on_bf16_dot_products_where_the_cpu_has_them(op):
 
 
 @pytest.mark.parametrize("dim", [24, 64])
-def test_two_threads_equal_one(op, dim):
+def test_two_threads_equal_one(op, torch_threads, dim):
     """With at least as many rows as threads a task is a whole row: the same sums in the same
     order whatever the thread count."""
     q, k, v, table, pos = case(3, torch.bfloat16, dim=dim)
@@ -162,8 +149,8 @@ def test_two_threads_equal_one(op, dim):
     (torch.float32, None, 24, BS), (torch.bfloat16, None, 64, 16),
     (torch.bfloat16, torch.float8_e4m3fn, 64, 16), (torch.bfloat16, None, 128, 40)])
 @pytest.mark.parametrize("queries", [1, 3])
-def test_rows_cut_into_segments_for_the_threads(op, threads, positions, dtype, kv_dtype, dim,
-                                                block_size, queries):
+def test_rows_cut_into_segments_for_the_threads(op, torch_threads, threads, positions, dtype,
+                                                kv_dtype, dim, block_size, queries):
     """With fewer rows than threads each row's positions are cut into segments of whole blocks,
     one a thread, and merged: equal to gather + SDPA, and still reading nothing past a row's
     position (NaN there), with segments past a short row's end left empty ((5,): one block)."""

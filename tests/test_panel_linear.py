@@ -180,6 +180,25 @@ def test_product_is_the_rounded_exact_product(ops, rows, wdtype):
     assert_rounded_product(ops.panel_linear(x, pack_panels(w, pairs=False), out_features), x, w)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("rows", [1, 8, 16, 40])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_products_split_over_threads_equal_one_thread(ops, torch_threads, threads, rows, wdtype):
+    """Products whose tasks of four panels the threads cannot share evenly (576 outputs: nine
+    tasks) run in tasks of one tile's panels; every output is still computed once, as on one
+    thread, bit for bit (each output's sums do not depend on the split)."""
+    g = torch.Generator().manual_seed(rows * threads)
+    for out_features in (576, 40, 240, 1040):  # 9, 1, 4 and 17 tasks of four panels
+        w = torch.randn(out_features, 96, generator=g).to(wdtype)
+        x = torch.randn(rows, 96, generator=g).to(wdtype)
+        panels = pack_panels(w)
+        one = ops.panel_linear(x, panels, out_features)
+        with torch_threads(threads):
+            split = ops.panel_linear(x, panels, out_features)
+        assert torch.equal(split, one), out_features
+        assert_rounded_product(split, x, w)
+
+
 @pytest.mark.parametrize("rows", [1, 8, 9, 20, 33])
 def test_bf16_products_run_on_bf16_dot_products_where_the_cpu_has_them(ops, rows):
     """On AVX512-BF16 CPUs bfloat16 x times bfloat16 panels run on vdpbf16ps, which flushes
