@@ -23,6 +23,7 @@ from nxdi_common.modules.sampling import SamplingRandomSource, sampling_params_f
 # The forward() arguments each part of a forward_mixed call may hold.
 MIXED_ARGS = frozenset({"input_ids", "position_ids", "seq_ids", "sampling_params", "slot_mapping",
                         "block_table", "rand"})
+MAX_CONSTANTS = 256  # NeuronBaseForCausalLM._constant's entries (a few per batch size in use)
 
 
 @dataclass
@@ -65,16 +66,23 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         # each cache row's next position, in Python: a decode step's few values are read and
         # written without a tensor op (see _run_token_gen)
         self._next = [0] * self.neuron_config.max_batch_size
-        # constant small inputs by shape / batch: one tensor op less each per call
-        self._ones: dict[tuple, torch.Tensor] = {}
-        self._aranges: dict[int, torch.Tensor] = {}
-        self._default_params: dict[tuple, torch.Tensor] = {}
-        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # small inputs that never change for their key (_constant): one tensor op less each
+        self._constants: dict[tuple, object] = {}
 
     @property
     def next_positions(self) -> torch.Tensor:
         """[max_batch_size] each cache row's next position (a copy)."""
         return torch.tensor(self._next, dtype=torch.long)
+
+    def _constant(self, key: tuple, make):
+        """make()'s value, made once per key: small graph inputs that depend only on the key
+        (the graphs never write their inputs). At most MAX_CONSTANTS are kept."""
+        value = self._constants.get(key)
+        if value is None:
+            if len(self._constants) >= MAX_CONSTANTS:
+                self._constants.clear()
+            value = self._constants[key] = make()
+        return value
 
     def _on_loaded(self) -> None:
         self.kv_cache = self._model.kv_mgr.allocate()
@@ -152,9 +160,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise ValueError("input_ids must be a [batch, seq] integer tensor")
         b = input_ids.shape[0]
         if seq_ids is None:
-            if b not in self._aranges:
-                self._aranges[b] = torch.arange(b, dtype=torch.int32)
-            seq_ids = self._aranges[b]
+            seq_ids = self._constant(("seq_ids", b), lambda: torch.arange(b, dtype=torch.int32))
         elif seq_ids.dtype != torch.int32:
             seq_ids = seq_ids.to(torch.int32)
         limit = self.neuron_config.max_batch_size
@@ -206,12 +212,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         """[batch, 3] sampling_params from the on-device sampling config (ones without one),
         kept per batch and config values: the graph only reads them."""
         odsc = self.neuron_config.on_device_sampling_config
-        key = (batch,) + (tuple(getattr(odsc, name, None) for name in
-                                ("top_k", "top_p", "temperature")) if odsc else ())
-        if key not in self._default_params:
-            self._default_params[key] = (sampling_params_from_config(odsc, batch) if odsc
-                                         else torch.ones(batch, 3))
-        return self._default_params[key]
+        values = tuple(getattr(odsc, name, None) for name in ("top_k", "top_p", "temperature"))
+        return self._constant(("params", batch, odsc is not None) + values, lambda: (
+            sampling_params_from_config(odsc, batch) if odsc else torch.ones(batch, 3)))
 
     def _run_context(self, input_ids, attention_mask, seq_ids, sampling_params, slots, table,
                      rand=None):
@@ -336,11 +339,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         checked positions [B, S] given."""
         slots, table = self._block_indices(seq_ids, positions, None, slots, table)
         params, rand = self._sampling_inputs(positions.shape[0], sampling_params, rand)
-        shape = tuple(positions.shape)
-        if shape not in self._ones:  # the attention mask: every token real
-            self._ones[shape] = torch.ones(shape, dtype=torch.long)
+        shape = tuple(positions.shape)  # the attention mask: every token real
+        mask = self._constant(("mask",) + shape, lambda: torch.ones(shape, dtype=torch.long))
         ids = input_ids if input_ids.dtype == torch.long else input_ids.long()
-        return ids, self._ones[shape], positions, seq_ids, params, rand, slots, table
+        return ids, mask, positions, seq_ids, params, rand, slots, table
 
     def _chunk_positions(self, input_ids, position_ids) -> torch.Tensor:
         """Checked [1, S] positions of a chunk of a prompt."""
@@ -370,9 +372,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         nc = self.neuron_config
         b = positions.shape[0]
         if not nc.is_block_kv_layout:
-            if ("flat", b) not in self._ones:  # dummies the flat layout's graph ignores
-                self._ones["flat", b] = torch.zeros(b, 1, dtype=torch.long)
-            return self._ones["flat", b], self._ones["flat", b]
+            dummy = self._constant(("flat", b), lambda: torch.zeros(b, 1, dtype=torch.long))
+            return dummy, dummy  # the flat layout's graph ignores them
         if slots is not None and table is not None:  # padding positions write to scratch
             if mask is None:
                 return (slots if slots.dtype == torch.long else slots.long(),
@@ -384,12 +385,11 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise ValueError("pass slot_mapping and block_table: pa_num_blocks is too small for a "
                              "contiguous block range per sequence")
         rows = tuple(seq_ids.tolist())
-        if rows not in self._tables:  # row r holds blocks r * per_seq .. (r + 1) * per_seq - 1
-            if len(self._tables) >= 64:
-                self._tables.clear()
-            first = torch.tensor([[r * per_seq * bs] for r in rows])  # [B, 1] its first slot
-            self._tables[rows] = first // bs + torch.arange(per_seq), first  # [B, per_seq]
-        table, first = self._tables[rows]
+
+        def contiguous():  # row r holds blocks r * per_seq .. (r + 1) * per_seq - 1
+            first = torch.tensor([[r * per_seq * bs] for r in rows])  # [B, 1]: its first slot
+            return first // bs + torch.arange(per_seq), first  # [B, per_seq], [B, 1]
+        table, first = self._constant(("table",) + rows, contiguous)
         slots = positions + first
         if mask is not None:
             slots = torch.where(mask.bool(), slots, torch.full_like(slots, self.scratch[1] * bs))
