@@ -142,7 +142,8 @@ def test_rope_qk_store_refuses_bad_input_and_writes_nothing(ops):
     assert not cache.any()
 
 
-@pytest.mark.parametrize("vocab,k", [(49152, 256), (5000, 64), (300, 256), (256, 256)])
+@pytest.mark.parametrize("vocab,k", [(49152, 256), (5000, 64), (300, 256), (256, 256), (81, 10),
+                                     (2049, 256), (49153, 1)])
 def test_topk_equals_torch_topk(ops, vocab, k):
     """The fast path (rows of at least 8k values) and the plain one give torch.topk's values and
     indices for distinct logits, in any float dtype."""
@@ -162,6 +163,22 @@ def test_topk_equals_torch_topk(ops, vocab, k):
         untied = ~ties & ~tied_left
         assert torch.equal(ids[untied], want_ids[untied])
         assert torch.equal(x.float().gather(1, ids), values)
+
+
+@pytest.mark.parametrize("vocab,k", [(2049, 256), (81, 10), (49153, 256)])
+def test_topk_where_few_values_stand_out(ops, vocab, k):
+    """Rows whose large values are spread thin (one every 9 positions, the rest distinct and far
+    below):
+    the fast path's bound must still leave at least k candidates. Its chunks of ceil(V / k)
+    values came to fewer than k chunks at these sizes (2049 / 9 -> 228), and the top-k read
+    past its candidates (garbage values)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = -100 - torch.stack([torch.randperm(vocab, generator=g) for _ in range(3)]) * 1e-3
+    big = len(range(0, vocab, 9))
+    x[:, ::9] = 10 + torch.stack([torch.randperm(big, generator=g) for _ in range(3)]) * 1e-3
+    values, ids = ops.topk(x, k)
+    want_values, want_ids = torch.topk(x, k)
+    assert torch.equal(values, want_values) and torch.equal(ids, want_ids)
 
 
 def test_topk_orders_equal_values_by_index_and_nan_first(ops):

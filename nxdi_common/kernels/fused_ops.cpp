@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -297,10 +298,20 @@ at::Tensor silu_mul(const at::Tensor& x_in) {
 
 // Top-k of one float32 row, sorted by value (descending), equal values by index (ascending);
 // NaN counts as larger than any number, as in torch.topk. With AVX-512 or AVX2 and a row of at
-// least 8k values: the k chunk maxima of k equal chunks bound the k-th largest value from below
-// (each chunk holds a value >= the smallest of them), so only the values >= that bound are sorted.
+// least 8k values: the row is cut into c >= k equal chunks, and the k-th largest of their maxima
+// bounds the k-th largest value from below (k chunks each hold a value >= it), so only the
+// values >= that bound are sorted. More chunks than k give a higher bound and fewer candidates
+// (kChunksPerK; with c = k the bound was the smallest chunk maximum).
+constexpr int64_t kChunksPerK = 4;
+
+// The k-th largest of `v` (no NaN; 1 <= k <= v.size()); reorders v.
+float kth_largest(std::vector<float>& v, int64_t k) {
+  std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<float>());
+  return v[k - 1];
+}
+
 void topk_row(const float* x, int64_t n, int64_t k, float* values, int64_t* indices,
-              std::vector<std::pair<float, int64_t>>& cand) {
+              std::vector<std::pair<float, int64_t>>& cand, std::vector<float>& maxima) {
   auto before = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
     const bool an = std::isnan(a.first), bn = std::isnan(b.first);
     if (an != bn) return an;
@@ -312,8 +323,9 @@ void topk_row(const float* x, int64_t n, int64_t k, float* values, int64_t* indi
   bool all = true;
 #if defined(__AVX512F__)
   if (n >= 8 * k) {
-    const int64_t chunk = (n + k - 1) / k;
-    float bound = std::numeric_limits<float>::infinity();
+    const int64_t chunks = std::min(kChunksPerK * k, n / 8);
+    const int64_t chunk = n / chunks;  // rounded down: at least `chunks` chunks, each >= 8
+    maxima.clear();
     __mmask16 nan = 0;
     for (int64_t c0 = 0; c0 < n; c0 += chunk) {
       const int64_t c1 = std::min(n, c0 + chunk);
@@ -329,9 +341,10 @@ void topk_row(const float* x, int64_t n, int64_t k, float* values, int64_t* indi
         nan |= std::isnan(x[i]) ? 1 : 0;
         m = std::max(m, x[i]);
       }
-      bound = std::min(bound, m);
+      maxima.push_back(m);
     }
     if (!nan) {  // every value >= bound is a candidate
+      const float bound = kth_largest(maxima, k);
       all = false;
       const __m512 vb = _mm512_set1_ps(bound);
       alignas(64) int32_t idx[16];
@@ -354,8 +367,9 @@ void topk_row(const float* x, int64_t n, int64_t k, float* values, int64_t* indi
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   if (n >= 8 * k) {  // as above, 8 at a time
-    const int64_t chunk = (n + k - 1) / k;
-    float bound = std::numeric_limits<float>::infinity();
+    const int64_t chunks = std::min(kChunksPerK * k, n / 8);
+    const int64_t chunk = n / chunks;  // rounded down: at least `chunks` chunks, each >= 8
+    maxima.clear();
     __m256 nan = _mm256_setzero_ps();
     for (int64_t c0 = 0; c0 < n; c0 += chunk) {
       const int64_t c1 = std::min(n, c0 + chunk);
@@ -373,9 +387,10 @@ void topk_row(const float* x, int64_t n, int64_t k, float* values, int64_t* indi
         m = std::max(m, x[i]);
       }
       if (tail_nan) nan = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-      bound = std::min(bound, m);
+      maxima.push_back(m);
     }
     if (_mm256_movemask_ps(nan) == 0) {  // every value >= bound is a candidate
+      const float bound = kth_largest(maxima, k);
       all = false;
       const __m256 vb = _mm256_set1_ps(bound);
       int64_t i = 0;
@@ -412,7 +427,9 @@ std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& logits_in, int64_t k) 
   int64_t* ip = indices.mutable_data_ptr<int64_t>();
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
     std::vector<std::pair<float, int64_t>> cand;
-    for (int64_t r = begin; r < end; ++r) topk_row(xp + r * n, n, k, vp + r * k, ip + r * k, cand);
+    std::vector<float> maxima;
+    for (int64_t r = begin; r < end; ++r)
+      topk_row(xp + r * n, n, k, vp + r * k, ip + r * k, cand, maxima);
   });
   return {values, indices};
 }
