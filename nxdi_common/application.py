@@ -178,8 +178,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         if not n:
             return
         if n <= 64:  # a decode step's few tokens: one tolist, not a reduction and two items
-            values = ids.reshape(-1).tolist() if ids.dim() != 2 else [v for r in ids.tolist()
-                                                                     for v in r]
+            values = [v for row in ids.tolist() for v in row]  # ids [B, S], as every caller's
             low, high = int(min(values)), int(max(values))
         else:
             low, high = (int(v) for v in torch.aminmax(ids))

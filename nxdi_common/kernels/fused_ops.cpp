@@ -14,10 +14,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <tuple>
 #include <utility>
