@@ -173,6 +173,7 @@ struct PanelPairs {
   const __m512i* pairs;        // [ceil(K / 2)] interleaved, or null (then `panel` is [K, 16])
   int64_t K;
   bool prefetch;               // read from memory by several rows: prefetch kPrefetchBytes ahead
+  int64_t bytes;               // the panel's, in memory (panels lie one after another)
   __m512bh operator()(int64_t i) const {
     if (pairs != nullptr) return (__m512bh)_mm512_loadu_si512(pairs + i);
     return (__m512bh)interleave_rows(panel + 2 * i * kNR,
@@ -185,7 +186,12 @@ struct PanelPairs {
 // broadcast (x[k], x[k+1]) pair serves NP panels. With few sums in flight the k pairs alternate
 // between two sets of them, so the dot products' latency overlaps.
 // Read from memory (a decode batch's tiles), each panel's line kPrefetchBytes ahead is
-// prefetched into L2 (prefetcht1; past a panel's end that is the next panel's, which comes next).
+// prefetched into L2 (prefetcht1). Past a panel's end that line is the same panel's of the next
+// NP, which the walk reads next: the next panel in memory is one this walk is reading already
+// (until session 32 the prefetches went there, and each pair of panels started its first 4 KB
+// unprefetched). The 121 products of a decode step, two threads, in one process with the two
+// targets alternating over ten rounds: 8 rows 0.952x the time, 16 rows 0.940x, 64 and 256 rows
+// 0.99x; a whole decode step of 8 and 16 rows x 576 positions 0.953x (every round lower).
 // AMD Zen 4, the 121 products of a decode step, one thread (bench_projections.py, two runs each
 // way): 8 rows 18.8-19.2 -> 15.6-16.0 ms, 16 rows 30.6-32.4 -> 25.9-27.1; 1 row unchanged
 // (13.8-14.7). In a sweep of distances 2 KB gained less and 8-16 KB less again; prefetcht0 less.
@@ -206,23 +212,30 @@ void dot_tile(const c10::BFloat16* x, int64_t ldx, const PanelPairs* w_at, int64
   const int64_t full = K / 2;  // pairs with both x values in the row
   int64_t i = 0;
   const bool prefetch = w_at[0].prefetch;
-  for (; i + kChains <= full; i += kChains) {
-    if (prefetch)  // a pair of panel rows is one 64-byte line
-      for (int q = 0; q < NP; ++q)
-        for (int h = 0; h < kChains; ++h)
-          __builtin_prefetch(reinterpret_cast<const char*>(w_at[q].panel + 2 * (i + h) * kNR) +
-                             kPrefetchBytes, 0, 2);
+  // The k pairs up to `end`, prefetching `skip` bytes past the line kPrefetchBytes ahead.
+  auto pairs_to = [&](int64_t end, int64_t skip) {
+    for (; i + kChains <= end; i += kChains) {
+      if (prefetch)  // a pair of panel rows is one 64-byte line
+        for (int q = 0; q < NP; ++q)
+          for (int h = 0; h < kChains; ++h)
+            __builtin_prefetch(reinterpret_cast<const char*>(w_at[q].panel + 2 * (i + h) * kNR) +
+                                   kPrefetchBytes + skip, 0, 2);
 #pragma GCC unroll 2
-    for (int h = 0; h < kChains; ++h) {
-      __m512bh w[NP];
-      for (int q = 0; q < NP; ++q) w[q] = w_at[q](i + h);
+      for (int h = 0; h < kChains; ++h) {
+        __m512bh w[NP];
+        for (int q = 0; q < NP; ++q) w[q] = w_at[q](i + h);
 #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        const __m512bh xp = pair_at(x + r * ldx + 2 * (i + h));
-        for (int q = 0; q < NP; ++q) acc[h][r][q] = _mm512_dpbf16_ps(acc[h][r][q], xp, w[q]);
+        for (int r = 0; r < MR; ++r) {
+          const __m512bh xp = pair_at(x + r * ldx + 2 * (i + h));
+          for (int q = 0; q < NP; ++q) acc[h][r][q] = _mm512_dpbf16_ps(acc[h][r][q], xp, w[q]);
+        }
       }
     }
-  }
+  };
+  // From the pair whose line ahead is past the panel's end, the lines are the next NP panels'.
+  const int64_t bytes = w_at[0].bytes;
+  pairs_to(std::min(full, std::max<int64_t>(0, (bytes - kPrefetchBytes) / 64)), 0);
+  pairs_to(full, (NP - 1) * bytes);
   for (; i < (K + 1) / 2; ++i) {
     __m512bh w[NP];
     for (int q = 0; q < NP; ++q) w[q] = w_at[q](i);
@@ -267,7 +280,8 @@ void dot_panel_rows(const Problem& pb, const BF16* x, const BF16* panels, bool p
   const int64_t stride = paired ? npairs * 2 * kNR : pb.K * kNR;  // values a panel
   for (int q = 0; q < np; ++q) {
     const BF16* panel = panels + (p + q) * stride;
-    w_at[q] = {panel, paired ? reinterpret_cast<const __m512i*>(panel) : nullptr, pb.K, prefetch};
+    w_at[q] = {panel, paired ? reinterpret_cast<const __m512i*>(panel) : nullptr, pb.K, prefetch,
+               stride * static_cast<int64_t>(sizeof(BF16))};
   }
   if (!paired && m1 - m0 > kOnTheFlyRows) {
     scratch.resize(np * npairs * 16 + 16);  // 64-byte pairs, 16 floats each, room to align
