@@ -194,6 +194,28 @@ def test_topk_orders_equal_values_by_index_and_nan_first(ops):
     assert ids[2].tolist() == list(range(256))
 
 
+def test_topk_greedy_rows_get_only_their_argmax(ops):
+    """Rows flagged greedy get their argmax first (torch.argmax's first index among ties, a NaN
+    row's first NaN) and -inf with that index after it; the other rows their full top-k."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 49152, generator=g) * 3
+    x[1, [30000, 12]] = 99.0  # tie: 12
+    x[3, [500, 40]] = float("nan")  # the first NaN, 40
+    greedy = torch.tensor([True, True, False, True, False, True])
+    for dtype in (torch.float32, torch.bfloat16):
+        values, ids = ops.topk(x.to(dtype), 256, greedy)
+        want_values, want_ids = ops.topk(x.to(dtype), 256)
+        rows = ~greedy
+        assert torch.equal(values[rows], want_values[rows]) and torch.equal(ids[rows], want_ids[rows])
+        argmax = x.to(dtype).float().argmax(dim=-1)
+        assert torch.equal(ids[greedy, 0], argmax[greedy])
+        assert ids[[1, 3], 0].tolist() == [12, 40]
+        assert bool((values[greedy, 1:] == float("-inf")).all())
+        assert torch.equal(ids[greedy, 1:], ids[greedy, :1].expand(-1, 255))
+    with pytest.raises(RuntimeError, match=r"topk: greedy must be \[6\] \(one flag a row\)"):
+        ops.topk(x, 256, greedy[:5])
+
+
 def test_sampler_uses_the_fused_topk_only_when_set(ops):
     from nxdi_common.config import OnDeviceSamplingConfig
     from nxdi_common.modules.sampling import Sampler, prepare_sampling_params

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -414,11 +415,22 @@ void topk_row(const float* x, int64_t n, int64_t k, float* values, int64_t* indi
 }
 
 // logits [B, V] -> (values [B, k] float32, indices [B, k] int64): torch.topk(logits.float(), k)
-// with its ordering made exact (ties by index).
-std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& logits_in, int64_t k) {
+// with its ordering made exact (ties by index). Rows where `greedy` [B] (optional) is true get
+// only their first candidate (the argmax: one scan of the row where k = 256 sorts hundreds of
+// values); their other k - 1 values are -inf and their indices the first's. The dynamic sampler
+// reads nothing else of a greedy row.
+std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& logits_in, int64_t k,
+                                        const std::optional<at::Tensor>& greedy) {
   TORCH_CHECK(logits_in.dim() == 2, "topk: logits must be [B, V], got ", logits_in.sizes());
   const int64_t b = logits_in.size(0), n = logits_in.size(1);
   TORCH_CHECK(k >= 1 && k <= n, "topk: k must lie in 1..", n, ", got ", k);
+  at::Tensor greedy_rows;
+  if (greedy.has_value()) {
+    TORCH_CHECK(greedy->dim() == 1 && greedy->size(0) == b, "topk: greedy must be [", b,
+                "] (one flag a row), got ", greedy->sizes());
+    greedy_rows = greedy->to(at::kBool).contiguous();
+  }
+  const bool* gp = greedy_rows.defined() ? greedy_rows.const_data_ptr<bool>() : nullptr;
   const at::Tensor x = logits_in.to(at::kFloat).contiguous();
   at::Tensor values = at::empty({b, k}, x.options());
   at::Tensor indices = at::empty({b, k}, x.options().dtype(at::kLong));
@@ -428,8 +440,13 @@ std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& logits_in, int64_t k) 
   at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
     std::vector<std::pair<float, int64_t>> cand;
     std::vector<float> maxima;
-    for (int64_t r = begin; r < end; ++r)
-      topk_row(xp + r * n, n, k, vp + r * k, ip + r * k, cand, maxima);
+    for (int64_t r = begin; r < end; ++r) {
+      const bool first_only = gp != nullptr && gp[r];
+      topk_row(xp + r * n, n, first_only ? 1 : k, vp + r * k, ip + r * k, cand, maxima);
+      if (first_only)
+        for (int64_t j = 1; j < k; ++j)
+          vp[r * k + j] = -std::numeric_limits<float>::infinity(), ip[r * k + j] = ip[r * k];
+    }
   });
   return {values, indices};
 }
@@ -575,7 +592,7 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
   m.def("rope_qk_store(Tensor x, Tensor cos, Tensor sin, int q_heads, Tensor(a!) cache, "
         "int layer, Tensor slots) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
-  m.def("topk(Tensor logits, int k) -> (Tensor, Tensor)");
+  m.def("topk(Tensor logits, int k, Tensor? greedy=None) -> (Tensor, Tensor)");
   m.def("copy_blocks(Tensor(a!) dst, Tensor blocks, Tensor src) -> ()");
   m.def("write_prompt_kv(Tensor(a!) cache, int layer_start, Tensor table, int start, Tensor k, "
         "Tensor v) -> ()");

@@ -206,21 +206,21 @@ def sample_from_logits(logits: torch.Tensor, sampling_params: torch.Tensor, rand
     ``logits``: [B, V] any float dtype (computed in float32); ``sampling_params``: [B, 3]
     (top_k, top_p, temperature); ``rand``: [B] uniform in [0, 1). Returns [B] int64 vocab ids.
     Rows with temperature 0 or top_k 1 return the argmax. ``topk``: torch.ops.nxdi.topk (the
-    same candidates in the same order, equal logits by index) or None for torch.topk.
+    same candidates in the same order, equal logits by index; a greedy row gets only its argmax,
+    which is all _first_max reads) or None for torch.topk.
     """
     logits = logits.float()  # [B, V]
     sampling_params = sampling_params.float()  # [B, 3]
     num_candidates = _static_candidate_count(global_topk, logits.shape[-1])  # K
+    greedy_row = (sampling_params[:, TEMPERATURE_COL] <= 0) | (sampling_params[:, TOP_K_COL] == 1)
     if topk is not None:
-        top_logits, top_ids = topk(logits, num_candidates)  # [B, K], [B, K]
+        top_logits, top_ids = topk(logits, num_candidates, greedy_row)  # [B, K], [B, K]
     else:
         top_logits, top_ids = torch.topk(logits, num_candidates, dim=-1)  # [B, K], [B, K]
 
     probs = _candidate_probs(top_logits, sampling_params)  # [B, K]
     choice = _inverse_cdf(probs, rand)  # [B]
     sampled = torch.gather(top_ids, 1, choice.unsqueeze(-1)).squeeze(-1)  # [B]
-
-    greedy_row = (sampling_params[:, TEMPERATURE_COL] <= 0) | (sampling_params[:, TOP_K_COL] == 1)
     return torch.where(greedy_row, _first_max(top_logits, top_ids, logits.shape[-1]), sampled)
 
 
