@@ -174,17 +174,20 @@ struct PanelPairs {
   int64_t K;
   bool prefetch;               // read from memory by several rows: prefetch kPrefetchBytes ahead
   int64_t bytes;               // the panel's, in memory (panels lie one after another)
-  __m512bh operator()(int64_t i) const {
+  __attribute__((always_inline)) __m512bh operator()(int64_t i) const {
     if (pairs != nullptr) return (__m512bh)_mm512_loadu_si512(pairs + i);
     return (__m512bh)interleave_rows(panel + 2 * i * kNR,
                                      2 * i + 1 < K ? panel + (2 * i + 1) * kNR : nullptr);
   }
 };
 
-// For q < NP panels: c[q][r * 16 + j] = sum over k of x[r * ldx + k] * W_q[k][j], r < MR (the x
-// value that meets an odd K's zero row is zero too); c[q] starts at c + q * kDotMR * 16. Each
-// broadcast (x[k], x[k+1]) pair serves NP panels. With few sums in flight the k pairs alternate
-// between two sets of them, so the dot products' latency overlaps.
+// For q < NP panels: c[q][r * 16 + j] = sum over k of x_r[k] * W_q[k][j], r < MR, where row r's
+// pair i (x_r[2i], x_r[2i + 1]) is xp[i * xs + r] (pack_pairs; an odd K's last pair is
+// (x_r[K - 1], 0)); c[q] starts at c + q * kDotMR * 16. Each broadcast pair serves NP panels.
+// With few sums in flight the k pairs alternate between two sets of them, so the dot products'
+// latency overlaps. The lambdas and PanelPairs::operator() are forced inline: when GCC kept
+// either out of line (it did after small unrelated edits here) the sums went through memory and
+// a 16-row decode step's products took 2.3x as long.
 // Read from memory (a decode batch's tiles), each panel's line kPrefetchBytes ahead is
 // prefetched into L2 (prefetcht1). Past a panel's end that line is the same panel's of the next
 // NP, which the walk reads next: the next panel in memory is one this walk is reading already
@@ -202,18 +205,29 @@ struct PanelPairs {
 constexpr int64_t kPrefetchBytes = 4096;
 
 template <int MR, int NP>
-void dot_tile(const c10::BFloat16* x, int64_t ldx, const PanelPairs* w_at, int64_t K, float* c) {
+void dot_tile(const uint32_t* xp, int64_t xs, const PanelPairs* w_at, int64_t K, float* c) {
   constexpr int kChains = MR * NP <= 3 ? 2 : 1;
   __m512 acc[kChains][MR][NP];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int h = 0; h < kChains; ++h)
       for (int q = 0; q < NP; ++q) acc[h][r][q] = _mm512_setzero_ps();
-  const int64_t full = K / 2;  // pairs with both x values in the row
+  const int64_t npairs = (K + 1) / 2;
   int64_t i = 0;
   const bool prefetch = w_at[0].prefetch;
+  // One k pair (chain h): NP panels' pairs, each row's x pair broadcast from its packed place.
+  auto step = [&](int64_t k, int h) __attribute__((always_inline)) {
+    __m512bh w[NP];
+    for (int q = 0; q < NP; ++q) w[q] = w_at[q](k);
+    const uint32_t* xk = xp + k * xs;
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[r]));
+      for (int q = 0; q < NP; ++q) acc[h][r][q] = _mm512_dpbf16_ps(acc[h][r][q], x, w[q]);
+    }
+  };
   // The k pairs up to `end`, prefetching `skip` bytes past the line kPrefetchBytes ahead.
-  auto pairs_to = [&](int64_t end, int64_t skip) {
+  auto pairs_to = [&](int64_t end, int64_t skip) __attribute__((always_inline)) {
     for (; i + kChains <= end; i += kChains) {
       if (prefetch)  // a pair of panel rows is one 64-byte line
         for (int q = 0; q < NP; ++q)
@@ -221,32 +235,14 @@ void dot_tile(const c10::BFloat16* x, int64_t ldx, const PanelPairs* w_at, int64
             __builtin_prefetch(reinterpret_cast<const char*>(w_at[q].panel + 2 * (i + h) * kNR) +
                                    kPrefetchBytes + skip, 0, 2);
 #pragma GCC unroll 2
-      for (int h = 0; h < kChains; ++h) {
-        __m512bh w[NP];
-        for (int q = 0; q < NP; ++q) w[q] = w_at[q](i + h);
-#pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-          const __m512bh xp = pair_at(x + r * ldx + 2 * (i + h));
-          for (int q = 0; q < NP; ++q) acc[h][r][q] = _mm512_dpbf16_ps(acc[h][r][q], xp, w[q]);
-        }
-      }
+      for (int h = 0; h < kChains; ++h) step(i + h, h);
     }
   };
   // From the pair whose line ahead is past the panel's end, the lines are the next NP panels'.
   const int64_t bytes = w_at[0].bytes;
-  pairs_to(std::min(full, std::max<int64_t>(0, (bytes - kPrefetchBytes) / 64)), 0);
-  pairs_to(full, (NP - 1) * bytes);
-  for (; i < (K + 1) / 2; ++i) {
-    __m512bh w[NP];
-    for (int q = 0; q < NP; ++q) w[q] = w_at[q](i);
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-      const c10::BFloat16* xr = x + r * ldx + 2 * i;
-      const __m512bh xp = 2 * i + 1 < K ? pair_at(xr)
-                                        : (__m512bh)_mm512_set1_epi32(static_cast<int>(xr->x));
-      for (int q = 0; q < NP; ++q) acc[0][r][q] = _mm512_dpbf16_ps(acc[0][r][q], xp, w[q]);
-    }
-  }
+  pairs_to(std::min(npairs, std::max<int64_t>(0, (bytes - kPrefetchBytes) / 64)), 0);
+  pairs_to(npairs, (NP - 1) * bytes);
+  for (; i < npairs; ++i) step(i, 0);  // an odd pair left by two chains
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NP; ++q) {
@@ -257,23 +253,23 @@ void dot_tile(const c10::BFloat16* x, int64_t ldx, const PanelPairs* w_at, int64
 }
 
 template <int... MRs>
-void dot_tile_rows(int rows, int np, const c10::BFloat16* x, int64_t ldx, const PanelPairs* w_at,
+void dot_tile_rows(int rows, int np, const uint32_t* xp, const PanelPairs* w_at,
                    int64_t K, float* c, std::integer_sequence<int, MRs...>) {
-  ((rows == MRs + 1 ? (np == 2 ? dot_tile<MRs + 1, 2>(x, ldx, w_at, K, c)
-                               : dot_tile<MRs + 1, 1>(x, ldx, w_at, K, c))
+  ((rows == MRs + 1 ? (np == 2 ? dot_tile<MRs + 1, 2>(xp, rows, w_at, K, c)
+                               : dot_tile<MRs + 1, 1>(xp, rows, w_at, K, c))
                     : void()), ...);
 }
 
-// np (1 or 2) panels from p times rows [m0, m1) of x. Up to kOnTheFlyRows rows (a decode batch)
-// every tile interleaves the panels' row pairs as it reads them, so reading the weights from
-// memory overlaps the dot products (interleaving them first, in a pass of its own, made 16 rows
-// 1.5x slower); with more rows each panel is interleaved once into `scratch` (K * 16 values a
-// panel) and read by every tile of kDotMR rows.
+// np (1 or 2) panels from p times rows [m0, m1) of x (as pack_pairs packed it, xp). Up to
+// kOnTheFlyRows rows (a decode batch) every tile interleaves the panels' row pairs as it reads
+// them, so reading the weights from memory overlaps the dot products (interleaving them first,
+// in a pass of its own, made 16 rows 1.5x slower); with more rows each panel is interleaved once
+// into `scratch` (K * 16 values a panel) and read by every tile of kDotMR rows.
 using BF16 = c10::BFloat16;
 // With `paired` weights (pairs layout) the tiles read the pairs from the weights themselves.
-void dot_panel_rows(const Problem& pb, const BF16* x, const BF16* panels, bool paired, int64_t p,
-                    int np, int64_t m0, int64_t m1, const BF16* bias, const BF16* residual,
-                    BF16* out, std::vector<float>& scratch) {
+void dot_panel_rows(const Problem& pb, const uint32_t* xp, const BF16* panels, bool paired,
+                    int64_t p, int np, int64_t m0, int64_t m1, const BF16* bias,
+                    const BF16* residual, BF16* out, std::vector<float>& scratch) {
   const int64_t npairs = (pb.K + 1) / 2;
   PanelPairs w_at[2];
   const bool prefetch = pb.M > 1;  // one row: one stream, no software prefetch (see dot_tile)
@@ -297,19 +293,78 @@ void dot_panel_rows(const Problem& pb, const BF16* x, const BF16* panels, bool p
   float c[2 * kDotMR * kNR];
   for (int64_t m = m0; m < m1; m += kDotMR) {
     const int rows = static_cast<int>(std::min<int64_t>(kDotMR, m1 - m));
-    dot_tile_rows(rows, np, x + m * pb.K, pb.K, w_at, pb.K, c,
+    dot_tile_rows(rows, np, xp + m * npairs, w_at, pb.K, c,
                   std::make_integer_sequence<int, kDotMR>{});
     for (int q = 0; q < np; ++q)
       store_tile(c + q * kDotMR * kNR, rows, m, (p + q) * kNR, pb, bias, residual, out);
   }
 }
 
+// x's rows as the tiles read them: 32-bit pairs (x[2i], x[2i + 1]), an odd K's last one
+// (x[K - 1], 0); the tile of rows m.. (m a multiple of kDotMR) at m * npairs, pair-major
+// ([npairs][the tile's rows]), so that a tile finds each pair of all its rows at one pointer and
+// constant offsets. With x's rows read in place (ldx apart) the 8 x 2 tile kept 8 row pointers,
+// and the compiler spilled them and the loop bounds to the stack or vector registers. Packed,
+// the inner loop holds no spills; AMD Zen 4, two threads, alternating processes of
+// bench_tkg_step.py --batches 1 8 16 --lengths 576 (10 rounds): 16 rows 0.989x the step time
+// (lower in 8 of 10 rounds), 8 rows 1.008x, 1 row 0.987x (one row with an even K is not
+// copied); one thread, one product of 16 x 576 by 576 x 3072 with the weights in L2: 200 ->
+// 209 GFLOPS (the dot products' peak here: 234). 512 rows (a prefill's products) 0.99x.
+const uint32_t* pack_pairs(const BF16* x, int64_t M, int64_t K, std::vector<uint32_t>& buf) {
+  const int64_t npairs = (K + 1) / 2;
+  if (M == 1 && K % 2 == 0) return reinterpret_cast<const uint32_t*>(x);  // already so
+  buf.resize(M * npairs);
+  auto pack_tile = [&](int64_t m) {
+    const int64_t rows = std::min<int64_t>(kDotMR, M - m);
+    uint32_t* dst = buf.data() + m * npairs;
+    int64_t i0 = 0;
+    if (rows == kDotMR) {  // 8 pairs of the 8 rows at a time: an 8 x 8 transpose of 32-bit values
+      for (; i0 + 8 <= K / 2; i0 += 8) {
+        __m256 r[8], t[8];
+        for (int j = 0; j < 8; ++j)
+          r[j] = _mm256_loadu_ps(reinterpret_cast<const float*>(x + (m + j) * K + 2 * i0));
+        for (int j = 0; j < 8; j += 2) {
+          t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+          t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+        }
+        for (int j = 0; j < 8; j += 4) {
+          r[j] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+          r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+          r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
+          r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+        float* out = reinterpret_cast<float*>(dst + i0 * kDotMR);
+        for (int j = 0; j < 4; ++j) {
+          _mm256_storeu_ps(out + j * 8, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+          _mm256_storeu_ps(out + (j + 4) * 8, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const BF16* row = x + (m + r) * K;
+      for (int64_t i = i0; i < K / 2; ++i) std::memcpy(dst + i * rows + r, row + 2 * i, 4);
+      if (K % 2 != 0) dst[(npairs - 1) * rows + r] = row[K - 1].x;
+    }
+  };
+  const int64_t tiles = (M + kDotMR - 1) / kDotMR;
+  if (M <= kOnTheFlyRows) {
+    for (int64_t t = 0; t < tiles; ++t) pack_tile(t * kDotMR);
+  } else {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) pack_tile(t * kDotMR);
+    });
+  }
+  return buf.data();
+}
+
 void run_dot(const Problem& pb, const BF16* x, const BF16* panels, bool paired,
              const BF16* bias, const BF16* residual, BF16* out) {
   const int step = pb.M == 1 ? 1 : 2;  // one row: one panel at a time (dot_tile)
+  std::vector<uint32_t> packed;
+  const uint32_t* xp = pack_pairs(x, pb.M, pb.K, packed);
   for_each_task(pb, sizeof(BF16), kDotMR, step, [&](int64_t p, int np, int64_t m0, int64_t m1,
                                                     auto& buf) {
-    dot_panel_rows(pb, x, panels, paired, p, np, m0, m1, bias, residual, out, buf);
+    dot_panel_rows(pb, xp, panels, paired, p, np, m0, m1, bias, residual, out, buf);
   });
 }
 #endif  // __AVX512BF16__
