@@ -466,6 +466,8 @@ def test_block_cache_graphs_rotate_and_store_keys_in_one_op(tiny_llama_ckpt, tmp
     tkg = str(next(iter(fused.token_generation_model.runnables.values())).inlined_graph)
     cte = str(next(iter(fused.context_encoding_model.runnables.values())).inlined_graph)
     assert "nxdi::rope_qk_store" in tkg and "aten::index_copy_" not in tkg
+    # attention straight from the whole cache, q heads-last: no selects of the cache's layers
+    assert "nxdi::paged_decode_attention_layer" in tkg and "aten::select" not in tkg
     assert "nxdi::rope_qk_store" not in cte and "aten::index_copy_" in cte
     torch.testing.assert_close(greedy(fused), greedy(plain), rtol=0, atol=1e-5)
 

@@ -185,6 +185,28 @@ def test_bad_input_is_refused(op, change, message):
         op(*args, 0.25)
 
 
+@pytest.mark.parametrize("queries", [1, 3])
+def test_layer_op_takes_the_whole_cache_and_heads_last(op, queries):
+    """nxdi::paged_decode_attention_layer: q [B, S, H, D] and the model's [layers, 2, ...] cache
+    give paged_decode_attention's result over that layer's K and V as [B, S, H * D]; a layer
+    outside the cache or a cache of another shape is refused by name."""
+    q, k, v, table, pos = case(9, dtype=torch.bfloat16, dim=64, queries=queries)
+    other = torch.randn(2, *k.shape).bfloat16()
+    cache = torch.stack([other, torch.stack([k, v])])  # layer 1 holds k and v
+    got = torch.ops.nxdi.paged_decode_attention_layer(q.transpose(1, 2).contiguous(), cache, 1,
+                                                      table, pos, 0.25)
+    want = op(q, k, v, table, pos, 0.25).transpose(1, 2).flatten(2)
+    assert got.shape == (q.shape[0], queries, q.shape[1] * q.shape[3])
+    assert torch.equal(got, want)
+    heads_last = q.transpose(1, 2).contiguous()
+    with pytest.raises(RuntimeError, match="layer 2 is not in 0..1"):
+        torch.ops.nxdi.paged_decode_attention_layer(heads_last, cache, 2, table, pos, 0.25)
+    with pytest.raises(RuntimeError, match="cache must be"):
+        torch.ops.nxdi.paged_decode_attention_layer(heads_last, cache[1], 0, table, pos, 0.25)
+    with pytest.raises(RuntimeError, match="q must be"):
+        torch.ops.nxdi.paged_decode_attention_layer(heads_last[0], cache, 1, table, pos, 0.25)
+
+
 # ---- choice of attention path, and compiled graphs --------------------------------------------
 
 

@@ -124,8 +124,11 @@ class NeuronAttention(nn.Module):
         if kv_len is not None and self._stores_in_one_op(kv_mgr, x.dtype):
             # attention reads this call's keys from the cache: rotate and store them in one op
             q = self.fused.rope_qk_store(self._qkv_heads(x), cos, sin, self.num_heads, cache, layer,
-                                         index[2]).transpose(1, 2)
-            k = v = None
+                                         index[2])  # [B, S, H, D]
+            if mixed is None and self._attends_in_one_op(kv_mgr, q.shape[1]):
+                out = kv_mgr.attend_heads_last(cache, layer, q, index)  # [B, S, H * D]
+                return self.o_proj(out) if residual is None else self.o_proj.add_to(residual, out)
+            q, k, v = q.transpose(1, 2), None, None
         else:
             q, k, v = self.project(x, cos, sin)
             kv_mgr.write(cache, layer, k, v, index)  # slots are per token: one write for all
@@ -151,6 +154,12 @@ class NeuronAttention(nn.Module):
         without qk-norm, a block cache in the compute dtype)."""
         return (self.fused is not None and self.fused_qkv and self.q_norm is None
                 and kv_mgr.is_block and kv_mgr.dtype == dtype)
+
+    def _attends_in_one_op(self, kv_mgr, tokens: int) -> bool:
+        """Whether a token-generation call of `tokens` a row, its keys stored by rope_qk_store,
+        attends with nxdi::paged_decode_attention_layer: where _attend would take the paged
+        kernel (its cache, q heads-last and the output as o_proj takes it, one graph node)."""
+        return kv_mgr.paged_attention is not None and tokens <= PAGED_CHUNK_MAX_TOKENS
 
     def _attend(self, q, k, v, mask, cache, layer: int, kv_mgr, index, kv_len: int | None):
         """Attention of q [B, H, S, D] after this call's keys are in the cache: [B, S, H, D]. k and

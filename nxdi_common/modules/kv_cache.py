@@ -118,6 +118,12 @@ class BlockKVCacheManager:
         return self.paged_attention(q, cache[layer, K], cache[layer, V], index[3], index[1],
                                     self.head_dim ** -0.5)
 
+    def attend_heads_last(self, cache, layer: int, q, index):
+        """attend() for q [B, S, H, D] (rope_qk_store's layout), to [B, S, H * D] (o_proj's): one
+        op where attend() and the views around it are eight nodes of a traced graph."""
+        return torch.ops.nxdi.paged_decode_attention_layer(q, cache, layer, index[3], index[1],
+                                                           self.head_dim ** -0.5)
+
 
 def write_prompt_range(cache_kv: torch.Tensor, block_table: list[int], start: int,
                        data: torch.Tensor, heads: slice = slice(None)) -> None:
