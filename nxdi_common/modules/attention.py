@@ -172,7 +172,7 @@ class NeuronAttention(nn.Module):
             return self.fused.chunk_attention(q, k, v, index[1], self.head_dim ** -0.5)
         if kv_len is not None and kv_mgr.paged_attention is not None:
             # reads the blocks in place; no mask
-            return kv_mgr.attend(cache, layer, q, index).transpose(1, 2)
+            return kv_mgr.attend(cache, layer, q, index)
         if kv_len is None and mask is None and self.fused is not None:
             return self.fused.causal_attention(q, k, v, self.head_dim ** -0.5)  # [B, S, H, D]
         if kv_len is not None:

@@ -83,7 +83,8 @@ class BlockKVCacheManager:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.block_size, self.scratch_block = block_size, num_blocks
         self.dtype, self.compute_dtype = dtype, compute_dtype
-        # torch.ops.nxdi.paged_decode_attention when the model uses it (application_base sets it)
+        # torch.ops.nxdi.paged_decode_attention when the model uses the paged kernel (set by
+        # application_base); attend() calls it through paged_decode_attention_layer
         self.paged_attention = None
 
     def allocate(self) -> torch.Tensor:
@@ -114,13 +115,15 @@ class BlockKVCacheManager:
 
     def attend(self, cache, layer: int, q, index):
         """Token-generation attention in place (paged_attention set): q [B, H, S, D] over each
-        row's cached positions 0..position_ids[b, s] through block_table. Returns [B, H, S, D]."""
-        return self.paged_attention(q, cache[layer, K], cache[layer, V], index[3], index[1],
-                                    self.head_dim ** -0.5)
+        row's cached positions 0..position_ids[b, s] through block_table. Returns [B, S, H, D]."""
+        heads, dim = q.shape[1], q.shape[3]
+        return self.attend_heads_last(cache, layer, q.transpose(1, 2), index).unflatten(
+            -1, (heads, dim))
 
     def attend_heads_last(self, cache, layer: int, q, index):
-        """attend() for q [B, S, H, D] (rope_qk_store's layout), to [B, S, H * D] (o_proj's): one
-        op where attend() and the views around it are eight nodes of a traced graph."""
+        """attend() for q [B, S, H, D] (rope_qk_store's layout), to [B, S, H * D] (o_proj's):
+        nxdi::paged_decode_attention_layer reads the layer's K and V from the whole cache, so the
+        traced graph holds one node, not the cache's four selects around the kernel."""
         return torch.ops.nxdi.paged_decode_attention_layer(q, cache, layer, index[3], index[1],
                                                            self.head_dim ** -0.5)
 
