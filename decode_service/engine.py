@@ -49,9 +49,21 @@ with it) would finish every waiting prompt, in the order they run, within the ta
 arrival; the largest when none would. Without it, at 0.5 req/s on `mixed` long local prompts
 missed a 4 s TTFT in 16-token pieces while the running streams' TPOT had 70% to spare.
 
-Blocks are reserved at admission for prompt + max_tokens, so a running sequence never runs out of
-KV room and nothing is ever preempted. Every sequence's blocks are freed exactly once, when it
-finishes, fails or is cancelled (``drop``)."""
+KV blocks are taken on demand: admission reserves the prompt and its first generated token, and
+before each step a running sequence whose next token's position lies past its blocks gets one
+more. Reserving prompt + max_tokens up front (until 2026-11-26 the only rule, still
+``EngineConfig.reserve_max_tokens``) never preempts, but a request without max_tokens reserves
+up to the model's whole context: on the quickstart's 512 blocks of 16 tokens and 2048-token
+context, 4 such chat requests ran and a 5th got HTTP 429 while most of the reserved blocks never
+held a token. Admission leaves one free block per live sequence for that growth and admits
+nothing while a preempted sequence waits. When a block is needed and none is free, the newest
+running sequence (maybe the one growing) is preempted: its KV is copied out to host memory, its
+blocks freed, and it waits (``nxdi_preemptions_total``); the oldest waiting one is copied back
+into new blocks, ahead of newer sequences, as soon as they are free with the same spare and a
+batch slot is open. Its stream just pauses: the tokens are the ones it would have had (the KV is
+the same bytes, a leading prompt block still cached is shared instead). A request that could not
+fit in the whole pool is refused at admission. Every sequence's blocks are freed exactly once,
+when it finishes, fails or is cancelled (``drop``)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -65,7 +77,7 @@ from dataclasses import dataclass
 import torch
 
 from nxdi_common.application import CausalLMOutput
-from nxdi_common.block_manager import BlockManager
+from nxdi_common.block_manager import BlockManager, OutOfBlocks
 from nxdi_common.modules.kv_cache import SequenceKVWriter
 from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving.errors import Overloaded
@@ -99,6 +111,9 @@ class EngineConfig:
     # The time to first token the ITL-sized pieces must not make a waiting local prefill miss
     # (module doc); None: pieces are sized by the ITL target alone.
     ttft_target_s: float | None = None
+    # Reserve blocks for prompt + max_tokens at admission (never preempts; fewer requests run
+    # at once) instead of taking them as tokens come (module doc).
+    reserve_max_tokens: bool = False
 
     def __post_init__(self):
         for name in ("tpot_target_s", "itl_target_s", "ttft_target_s"):
@@ -133,6 +148,9 @@ class DecodeEngine:
         # admitted and not released, by request id: a command or release for a sequence acts
         # only while its id still maps to it (an id may be reused once its sequence finished)
         self._live: dict[str, Sequence] = {}
+        # preempted sequences (their KV in Sequence.swapped_kv, no blocks held), oldest first;
+        # changed under _blocks_lock (admission reads it)
+        self._swapped: list[Sequence] = []
         self._stopping = False
         self.scratch_slot = model.scratch[1] * config.block_size
         # measured: a decode-only step's seconds, and the seconds a piece adds per prompt token
@@ -160,19 +178,31 @@ class DecodeEngine:
             concurrent.futures.wait([self._done], timeout=30)
 
     def admit(self, job, max_tokens: int, emit) -> Sequence:
-        """Reserve blocks for the prompt plus max_tokens and return the new sequence, or raise
+        """Reserve blocks for the prompt and its first token (module doc; with
+        reserve_max_tokens, for prompt + max_tokens) and return the new sequence, or raise
         Overloaded (the caller may try another worker). emit receives its TokenOutputs (and an
         exception if it fails), from whichever thread produces them."""
         rid, prompt = job.request_id, list(job.prompt_ids)
+        on_demand = not self.config.reserve_max_tokens
+        reserve = 1 if on_demand else max_tokens
         with self._blocks_lock:
             if rid in self._live:
                 raise Overloaded(f"request id {rid!r} is already running on this worker")
-            if not self.blocks.can_allocate(prompt, max_tokens):
+            most = self.blocks.blocks_needed(len(prompt) + max_tokens)
+            if most > self.blocks.num_blocks:
+                raise Overloaded(f"{len(prompt)} prompt tokens + max_tokens {max_tokens} need "
+                                 f"{most} KV blocks, more than this worker's "
+                                 f"{self.blocks.num_blocks}")
+            if on_demand and self._swapped:
+                raise Overloaded(f"{len(self._swapped)} preempted sequences wait for KV blocks")
+            spare = len(self._live) if on_demand else 0
+            if not self.blocks.can_allocate(prompt, reserve, spare):
                 raise Overloaded(
                     f"not enough free KV blocks: need "
-                    f"{self.blocks.blocks_needed(len(prompt) + max_tokens)}, "
+                    f"{self.blocks.blocks_needed(len(prompt) + reserve)}"
+                    f"{f' + {spare} kept for running sequences' if spare else ''}, "
                     f"{self.blocks.num_free_blocks} free of {self.blocks.num_blocks}")
-            alloc = self.blocks.allocate(rid, prompt, max_tokens)
+            alloc = self.blocks.allocate(rid, prompt, reserve)
             seq = Sequence(job, max_tokens, alloc.block_table, alloc.num_cached_tokens,
                            OutputText(self.tokenizer, job.stop.stop_strings), self.eos_ids, emit,
                            request_generator(job.sampling.seed))
@@ -220,7 +250,11 @@ class DecodeEngine:
             self._local_left.pop(id(seq), None)
             if self._is_live(seq):
                 del self._live[seq.request_id]
-                self.blocks.free(seq.request_id)
+                if seq in self._swapped:  # preempted: no blocks held
+                    self._swapped.remove(seq)
+                    seq.swapped_kv = None
+                else:
+                    self.blocks.free(seq.request_id)
 
     def _is_live(self, seq: Sequence) -> bool:
         return self._live.get(seq.request_id) is seq
@@ -252,14 +286,20 @@ class DecodeEngine:
 
     def _run(self) -> None:
         while not self._stopping:
-            idle = not self._local and not self.scheduler.running and not self.scheduler.ready
-            self._apply_commands(block=idle)
-            if self._stopping:
-                break
-            piece = self._plan_piece() if self._local else None
-            if not (piece and self._piece_now(piece) and self._local_piece(piece)):
-                self._decode_calls()
-            self._update_gauges()
+            self._iterate()
+
+    def _iterate(self) -> None:
+        """One turn of the engine loop (module doc); waits up to 0.5 s for a command when idle."""
+        if self._swapped:
+            self._swap_in_waiting()
+        idle = not (self._local or self.scheduler.running or self.scheduler.ready)
+        self._apply_commands(block=idle)
+        if self._stopping:
+            return
+        piece = self._plan_piece() if self._local else None
+        if not (piece and self._piece_now(piece) and self._local_piece(piece)):
+            self._decode_calls()
+        self._update_gauges()
 
     def _plan_piece(self) -> tuple[Sequence, int, int]:
         """The next local prefill piece: (sequence, start, end) of its prompt positions."""
@@ -337,7 +377,7 @@ class DecodeEngine:
         in its call (then the step is done)."""
         seq, start, end = piece
         self._local.remove(seq)
-        batch = self.scheduler.next_batch() if self._mixes(start, end) else []
+        batch = self._next_batch() if self._mixes(start, end) else []
         began = time.perf_counter()
         if not batch:
             self._guarded(self._prefill_piece, [seq], piece)
@@ -357,7 +397,7 @@ class DecodeEngine:
 
     def _decode_calls(self) -> None:
         """The running batch's decode step as token-generation calls of its own."""
-        groups = self._decode_groups(self.scheduler.next_batch())
+        groups = self._decode_groups(self._next_batch())
         began = time.perf_counter()
         for group in groups:
             self._guarded(self._decode_step, group, group)
@@ -367,6 +407,66 @@ class DecodeEngine:
             if self.metrics is not None:
                 self.metrics.decode_steps_total.inc()
                 self.metrics.token_generation_calls_total.inc(len(groups))
+
+    def _next_batch(self) -> list[Sequence]:
+        """The running batch of this step (scheduler.next_batch), every sequence with a block for
+        the token it feeds in: a sequence that needs a block when none is free makes the newest
+        running one (maybe itself) give up its blocks (module doc)."""
+        batch = self.scheduler.next_batch()
+        if self.config.reserve_max_tokens:
+            return batch
+        for seq in sorted(batch, key=lambda s: s.arrival_ns):  # the oldest keep their blocks
+            while seq.slot >= 0:
+                try:
+                    with self._blocks_lock:
+                        seq.block_table += self.blocks.grow(seq.request_id,
+                                                            seq.next_position() + 1)
+                    break
+                except OutOfBlocks:
+                    self._preempt(max(self.scheduler.running.values(),
+                                      key=lambda s: s.arrival_ns))
+        return [seq for seq in batch if seq.slot >= 0]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Copy the running sequence's KV out, free its blocks and park it (_swap_in_waiting)."""
+        self.scheduler.remove(seq)
+        with self._blocks_lock:
+            written = self.blocks.blocks_needed(seq.next_position())  # its last token is not
+            table = torch.tensor(seq.block_table[:written])
+            seq.swapped_kv = self.model.kv_cache[:, :, table]  # [L, 2, blocks, BS, H, D], a copy
+            self.blocks.free(seq.request_id)
+            seq.block_table = []
+            self._swapped.append(seq)
+            self._swapped.sort(key=lambda s: s.arrival_ns)
+        log.info("preempted %s at %d tokens: no free KV block", seq.request_id,
+                 seq.next_position())
+        if self.metrics is not None:
+            self.metrics.preemptions_total.inc()
+
+    def _swap_in_waiting(self) -> None:
+        """Preempted sequences, oldest first, back into new blocks while they fit with one block
+        spare per running sequence and a batch slot is open; they run before newer ones."""
+        while self._swapped:
+            seq = self._swapped[0]
+            waiting = len(self.scheduler.running) + len(self.scheduler.ready)
+            if waiting >= self.scheduler.max_batch_size:
+                return
+            n, prompt = seq.next_position(), list(seq.job.prompt_ids)
+            with self._blocks_lock:
+                if not self.blocks.can_allocate(prompt, n + 1 - len(prompt),
+                                                len(self.scheduler.running)):
+                    return
+                alloc = self.blocks.allocate(seq.request_id, prompt, n + 1 - len(prompt))
+                self._swapped.pop(0)
+            kv, seq.swapped_kv = seq.swapped_kv, None
+            cached = alloc.num_cached_tokens // self.config.block_size  # shared, already there
+            if cached < kv.shape[2]:
+                table = torch.tensor(alloc.block_table[cached:kv.shape[2]])
+                self.model.kv_cache[:, :, table] = kv[:, :, cached:]
+            seq.block_table = alloc.block_table
+            with self._blocks_lock:
+                self.blocks.mark_computed(seq.request_id, len(prompt))
+            self.scheduler.ready.appendleft(seq)
 
     def _measured_local(self, tokens: int) -> None:
         """A piece of `tokens` is done: the local prefill rate's sample (see __init__)."""

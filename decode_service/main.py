@@ -43,6 +43,12 @@ def parse_args(argv=None):
     p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--reserve-max-tokens", action="store_true",
+                   help="reserve KV blocks for prompt + max_tokens at admission: never preempts "
+                   "a running sequence, but fewer requests run at once (a request without "
+                   "max_tokens reserves the rest of --max-model-len); default: blocks as tokens "
+                   "come, the newest sequence preempted (KV kept in host memory) when none is "
+                   "free")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
                    help="prompts up to this length are prefilled here, not pulled")
     p.add_argument("--split-call-cost", type=int,
@@ -109,7 +115,8 @@ def build(args):
     config = EngineConfig(args.max_batch_size, args.kv_blocks, args.block_size,
                           not args.no_prefix_caching, args.split_call_cost,
                           *(None if ms is None else ms / 1000 for ms in (
-                              args.tpot_target_ms, args.itl_target_ms, args.ttft_target_ms)))
+                              args.tpot_target_ms, args.itl_target_ms, args.ttft_target_ms)),
+                          reserve_max_tokens=args.reserve_max_tokens)
     engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
                           metrics, runner=compute)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))

@@ -1,8 +1,9 @@
 """One sequence on a decode worker: its blocks, its tokens, its random stream, and the stop rules.
 
-A Sequence is created when the request is admitted (its blocks reserved for prompt + max_tokens),
-gets its prompt KV (pulled from a prefill worker or computed locally), then joins the running batch
-until a stop rule fires. Outputs go to ``emit`` (thread-safe: it hands them to the asyncio side)."""
+A Sequence is created when the request is admitted (blocks reserved for its prompt; more come as
+it generates, engine module doc), gets its prompt KV (pulled from a prefill worker or computed
+locally), then joins the running batch until a stop rule fires (maybe preempted for KV blocks on
+the way, and resumed). Outputs go to ``emit`` (thread-safe: it hands them to the asyncio side)."""
 from __future__ import annotations
 
 import time
@@ -33,6 +34,8 @@ class Sequence:
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     last_token_ns: int = 0
     first_token_ns: int = 0  # when add_token recorded the first token (monotonic)
+    # while preempted (engine._preempt): its KV, [layers, 2, blocks, block_size, H, D]
+    swapped_kv: torch.Tensor | None = None
 
     @property
     def request_id(self) -> str:

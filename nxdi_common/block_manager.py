@@ -22,8 +22,10 @@ Model
 * A prompt's last token is always recomputed (the model needs its logits), so at most
   ``len(prompt) - 1`` tokens are reported cached and only blocks wholly before the last prompt
   token are matched.
-* ``allocate(..., reserve_tokens=n)`` reserves blocks for ``n`` future tokens up front (the
-  decode worker's admission rule); ``append_token`` grows the table only past the reservation.
+* ``allocate(..., reserve_tokens=n)`` reserves blocks for ``n`` future tokens up front;
+  ``append_token`` grows the table only past the reservation, and ``grow`` to a token count
+  without recording tokens (the decode worker's on-demand growth: a block for the next token's
+  KV just before the step that writes it).
 """
 
 from __future__ import annotations
@@ -110,9 +112,12 @@ class BlockManager:
 
     # ---- admission --------------------------------------------------------------------------
 
-    def can_allocate(self, token_ids: list[int], reserve_tokens: int = 0) -> bool:
-        """Whether ``allocate(_, token_ids, reserve_tokens)`` would succeed now."""
-        return self._free_blocks_required(token_ids, reserve_tokens)[1] <= self.num_free_blocks
+    def can_allocate(self, token_ids: list[int], reserve_tokens: int = 0,
+                     spare_blocks: int = 0) -> bool:
+        """Whether ``allocate(_, token_ids, reserve_tokens)`` would succeed now and leave at
+        least ``spare_blocks`` free."""
+        required = self._free_blocks_required(token_ids, reserve_tokens)[1]
+        return required + spare_blocks <= self.num_free_blocks
 
     def allocate(self, request_id: str, token_ids: list[int],
                  reserve_tokens: int = 0) -> Allocation:
@@ -184,6 +189,21 @@ class BlockManager:
         req.num_computed = max(req.num_computed, len(req.token_ids))
         req.token_ids.append(token_id)
         self._seal_ready(req)
+
+    def grow(self, request_id: str, num_tokens: int) -> list[int]:
+        """Make the request's table hold ``num_tokens`` token slots, taking free blocks; returns
+        the ids taken, in table order (none when it holds them already). Raises OutOfBlocks,
+        taking nothing, if the free pool is short."""
+        req = self._get(request_id)
+        more = self.blocks_needed(num_tokens) - len(req.block_table)
+        if more <= 0:
+            return []
+        if more > len(self._free):
+            raise OutOfBlocks(f"request {request_id!r} needs {more} more blocks, "
+                              f"{len(self._free)} are free")
+        taken = [self._pop_free() for _ in range(more)]
+        req.block_table.extend(taken)
+        return taken
 
     def mark_computed(self, request_id: str, num_tokens: int) -> None:
         """Declare the KV of the first ``num_tokens`` tokens written; seals full blocks."""

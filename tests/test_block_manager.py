@@ -189,6 +189,30 @@ def test_append_out_of_blocks_leaves_state_unchanged(bm):
     assert bm.block_table("a") == [0, 1]
 
 
+def test_grow_takes_blocks_for_a_token_count_or_nothing(bm):
+    bm.allocate("a", tokens(0, 5))  # 2 blocks
+    assert bm.grow("a", 8) == []  # the table holds 8 slots already
+    assert bm.grow("a", 9) == [2] and bm.grow("a", 17) == [3, 4]
+    assert bm.block_table("a") == [0, 1, 2, 3, 4] and bm.num_tokens("a") == 5  # no token recorded
+    bm.allocate("b", tokens(10, 8))  # 2 of the 3 left: one stays free
+    before = snapshot(bm, ["a", "b"])
+    with pytest.raises(OutOfBlocks, match="needs 2 more blocks, 1 are free"):
+        bm.grow("a", 25)
+    bm.check_integrity()
+    assert snapshot(bm, ["a", "b"]) == before
+    with pytest.raises(KeyError, match="unknown request"):
+        bm.grow("z", 4)
+    bm.free("a")
+    assert bm.num_free_blocks == 6
+
+
+def test_can_allocate_with_blocks_to_spare(bm):
+    bm.allocate("a", tokens(0, 16))  # 4 of 8 blocks
+    assert bm.can_allocate(tokens(100, 8), spare_blocks=2)  # 2 taken, 2 left
+    assert not bm.can_allocate(tokens(100, 8), spare_blocks=3)
+    assert not bm.can_allocate(tokens(100, 8), reserve_tokens=1, spare_blocks=2)
+
+
 # ---- admission -----------------------------------------------------------------------------
 
 def test_out_of_blocks_leaves_state_unchanged(bm):
