@@ -2,7 +2,9 @@
 
 The decode workers are tried in the policy's order: RESOURCE_EXHAUSTED before the first token
 means "full, try the next one"; UNAVAILABLE before the first token marks the worker unhealthy and
-tries the next. When every worker refused, the request is shed with Overloaded (HTTP 429).
+tries the next. When every worker refused, the request waits its turn in the admission queue
+(router/admission.py) and tries again as room comes; it is shed with Overloaded (HTTP 429) when
+none comes within the queue's timeout (at once with --queue-timeout-seconds 0).
 Whatever ends the stream early (the client going away, a deadline, an error) cancels the
 downstream call: no decode call is ever left running for a caller that stopped listening."""
 from __future__ import annotations
@@ -17,6 +19,7 @@ import grpc
 from nxdi_common.serving.errors import Overloaded, ServingError, Unavailable
 from nxdi_common.serving.types import TokenOutput
 from router import convert
+from router.admission import AdmissionQueue
 from router.frontend import RoutedRequest
 from router.policies import DECODE, PREFILL, LocalPrefillRule, WorkerState
 
@@ -74,12 +77,14 @@ class Dispatcher:
     """Routes requests over the registry's workers with a policy, and records router metrics."""
 
     def __init__(self, registry, policy, metrics, request_timeout_seconds: float = 600.0,
-                 local_prefill: LocalPrefillRule = LocalPrefillRule()):
+                 local_prefill: LocalPrefillRule = LocalPrefillRule(),
+                 admission: AdmissionQueue | None = None):
         if request_timeout_seconds <= 0:
             raise ValueError(f"request_timeout_seconds must be > 0, got {request_timeout_seconds}")
         self.registry, self.policy, self.metrics = registry, policy, metrics
         self.request_timeout_seconds = request_timeout_seconds
         self.local_prefill = local_prefill
+        self.admission = admission if admission is not None else AdmissionQueue()
 
     def plan(self, req: RoutedRequest) -> tuple[list[WorkerState], list[WorkerState]]:
         """Decode workers to try, best first, and the prefill candidates, best first."""
@@ -125,16 +130,40 @@ class Dispatcher:
         finally:
             if call is not None:
                 call.cancel()  # no-op once the call has finished
+                self.admission.notify()  # its blocks are free: a waiting request may fit
             tracker.finish(outcome)
 
     async def _open(self, req: RoutedRequest, timeout: float):
-        """Try the decode workers in order until one sends a first token; returns
-        (call, worker address, first token). Raises Overloaded when every worker was full."""
+        """A decode worker's call and first token: (call, worker address, first token). When
+        every worker refused, the request waits its turn in the admission queue (nobody waiting:
+        after one try at once) and tries again as room comes; Overloaded when none comes in the
+        queue's timeout."""
+        deadline = time.monotonic() + timeout
+        refused: list[str] = []
+        queue = self.admission
+        if not (queue.enabled and len(queue)):  # nobody ahead: try at once
+            opened = await self._try_decodes(req, deadline, refused)
+            if opened is not None:
+                return opened
+            if not queue.enabled:
+                raise Overloaded(f"every decode worker is full (refused by {', '.join(refused)})")
+        async with queue.place() as ticket:
+            self.metrics.admission_waits_total.inc()
+            waited = time.monotonic()
+            while await queue.turn(ticket, min(deadline, waited + queue.timeout_seconds)):
+                refused = []
+                opened = await self._try_decodes(req, deadline, refused)
+                if opened is not None:
+                    return opened
+        raise Overloaded(f"every decode worker is full (refused by {', '.join(refused) or '-'}) "
+                         f"after {time.monotonic() - waited:.1f} s in the admission queue")
+
+    async def _try_decodes(self, req: RoutedRequest, deadline: float, refused: list[str]):
+        """Try the decode workers in order until one sends a first token: (call, worker address,
+        first token); None when every one refused (their addresses in ``refused``)."""
         decodes, prefills = self.plan(req)
         if not decodes:
             raise Unavailable(self.unhealthy_reason() or "no decode worker can take requests")
-        deadline = time.monotonic() + timeout
-        refused: list[str] = []
         for worker in decodes:
             call = self._start(worker, req, prefills, deadline)
             try:
@@ -146,7 +175,7 @@ class Dispatcher:
                 return call, worker.address, first
             call.cancel()
         if refused:
-            raise Overloaded(f"every decode worker is full (refused by {', '.join(refused)})")
+            return None
         raise Unavailable(self.unhealthy_reason() or "every decode worker failed")
 
     def _start(self, worker: WorkerState, req: RoutedRequest, ranked: list[WorkerState],

@@ -23,6 +23,7 @@ from nxdi_common.serving.grpc_server import GrpcServer, install_shutdown, print_
 from nxdi_common.serving.metrics import ServingMetrics
 from nxdi_common.serving.worker import add_model_args, model_options_from_args
 from router import convert
+from router.admission import AdmissionQueue
 from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend
 from router.grpc_service import RouterServicer
@@ -52,6 +53,8 @@ class RouterSettings:
     local_prefill_max_tokens: int = 0
     local_prefill_queue_tokens: int = 0
     local_prefill_always_tokens: int = 0
+    queue_timeout_seconds: float = 60.0  # router/admission.py; 0: shed at once
+    max_queued_requests: int = 1024
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -63,6 +66,14 @@ class RouterSettings:
             raise ValueError(f"shutdown_grace_seconds must be >= 0, "
                              f"got {self.shutdown_grace_seconds}")
         _ = self.local_prefill  # ValueError naming the field when a local_prefill_* is bad
+        _ = self.admission  # likewise for the queue's settings
+
+    @property
+    def admission(self) -> AdmissionQueue:
+        try:
+            return AdmissionQueue(self.queue_timeout_seconds, self.max_queued_requests)
+        except ValueError as exc:
+            raise ValueError(f"queue_timeout_seconds / max_queued_requests: {exc}") from None
 
     @property
     def local_prefill(self) -> LocalPrefillRule:
@@ -118,7 +129,8 @@ class RunningRouter:
         registry.start(settings.refresh_seconds)
         dispatcher = Dispatcher(registry, make_policy(settings.policy),
                                 metrics or ServingMetrics("router"),
-                                settings.request_timeout_seconds, settings.local_prefill)
+                                settings.request_timeout_seconds, settings.local_prefill,
+                                settings.admission)
         grpc_server = GrpcServer([(convert.add_router_servicer,
                                    RouterServicer(frontend, dispatcher), convert.ROUTER_SERVICE)],
                                  MAX_MESSAGE_BYTES)
@@ -191,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deadline of a request without a gRPC deadline of its own")
     g.add_argument("--shutdown-grace-seconds", type=float, default=10.0,
                    help="how long in-flight requests may finish after SIGTERM")
+    g.add_argument("--queue-timeout-seconds", type=float,
+                   default=RouterSettings.queue_timeout_seconds,
+                   help="a request every decode worker refuses for room waits up to this long, "
+                        "first come first served, before HTTP 429 / RESOURCE_EXHAUSTED (0: at "
+                        "once)")
+    g.add_argument("--max-queued-requests", type=int, default=RouterSettings.max_queued_requests,
+                   help="requests that may wait for room at once; the next is refused at once")
     g = p.add_argument_group("conditional disaggregation")
     g.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
                    help="prompts of at most N tokens are prefilled by their decode worker when "
@@ -212,7 +231,8 @@ def settings_from_args(args) -> RouterSettings:
                           tuple(args.decode), tuple(args.prefill_dns), tuple(args.decode_dns),
                           args.policy, args.refresh_seconds, args.request_timeout_seconds,
                           args.shutdown_grace_seconds, args.local_prefill_max_tokens,
-                          args.local_prefill_queue_tokens, args.local_prefill_always_tokens)
+                          args.local_prefill_queue_tokens, args.local_prefill_always_tokens,
+                          args.queue_timeout_seconds, args.max_queued_requests)
 
 
 async def serve(args) -> None:

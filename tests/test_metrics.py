@@ -27,6 +27,7 @@ EXPECTED_FAMILIES = {
     "nxdi_deferred_pieces": "counter",
     "nxdi_kv_socket_transfers": "counter",
     "nxdi_kv_socket_fallbacks": "counter",
+    "nxdi_admission_waits": "counter",
     "nxdi_preemptions": "counter",
     "nxdi_local_prefills": "counter",
 }

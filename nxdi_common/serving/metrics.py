@@ -63,6 +63,8 @@ COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
      "of the gRPC stream"),
     ("kv_socket_fallbacks", "KV transfers whose KV socket offer was not claimed in time, so "
      "the chunks went on the gRPC stream"),
+    ("admission_waits", "Requests the router queued because every decode worker was full "
+     "(served when room came, or shed with 429 after --queue-timeout-seconds)"),
     ("preemptions", "Running sequences a decode worker preempted for lack of a free KV block "
      "(KV copied to host memory, copied back into new blocks when there are some)"),
     ("local_prefills", "Prompts prefilled by their decode worker (router: requests it sent "
