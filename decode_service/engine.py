@@ -79,12 +79,14 @@ import torch
 from nxdi_common.application import CausalLMOutput
 from nxdi_common.block_manager import BlockManager, OutOfBlocks
 from nxdi_common.modules.kv_cache import SequenceKVWriter
+from nxdi_common.modules.sampling import DEFAULT_GLOBAL_TOPK
 from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving.errors import Overloaded
 from nxdi_common.serving.rates import PrefillRate, moving_average
 from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
 from decode_service.sequence import Sequence
-from nxdi_common.serving.sampling import request_generator, token_logprobs
+from nxdi_common.serving.sampling import (penalized_logits, request_generator, sample_row,
+                                          token_logprobs)
 from nxdi_common.serving.detokenize import OutputText
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,8 @@ class DecodeEngine:
         self._swapped: list[Sequence] = []
         self._stopping = False
         self.scratch_slot = model.scratch[1] * config.block_size
+        odsc = model.neuron_config.on_device_sampling_config  # what sample_row must match
+        self.global_topk = getattr(odsc, "global_topk", DEFAULT_GLOBAL_TOPK)
         # measured: a decode-only step's seconds, and the seconds a piece adds per prompt token
         # to the running sequences' next token (moving averages; None until first measured)
         self.step_s: float | None = None
@@ -528,8 +532,13 @@ class DecodeEngine:
         # the tokens in one tolist, a row's logits only where its request wants logprobs: a
         # tensor op per row costs ~10 us right after a step (BENCHMARKS.md, session 31)
         for i, (seq, token) in enumerate(zip(seqs, out.tokens.tolist())):
-            logprob, top = (token_logprobs(out.logits[i], token, seq.job.sampling, self.tokenizer)
-                            if seq.job.sampling.logprobs else (None, ()))
+            sampling, logits = seq.job.sampling, None
+            if sampling.penalized and seq.generated:  # sampled again on the host, penalized
+                logits = penalized_logits(out.logits[i], seq.generated, sampling)
+                token = sample_row(logits, sampling, seq.last_uniform, self.global_topk)
+            logprob, top = (token_logprobs(out.logits[i] if logits is None else logits, token,
+                                           sampling, self.tokenizer)
+                            if sampling.logprobs else (None, ()))
             seq.add_token(token, logprob, top)
             if seq.finished:
                 self.scheduler.remove(seq)

@@ -36,6 +36,7 @@ class Sequence:
     first_token_ns: int = 0  # when add_token recorded the first token (monotonic)
     # while preempted (engine._preempt): its KV, [layers, 2, blocks, block_size, H, D]
     swapped_kv: torch.Tensor | None = None
+    last_uniform: float = 0.0  # draw_uniform's last draw
 
     @property
     def request_id(self) -> str:
@@ -54,8 +55,10 @@ class Sequence:
         return self.prompt_len + len(self.generated) - 1
 
     def draw_uniform(self) -> float:
-        """This sequence's next sampling uniform (seeded requests replay exactly)."""
-        return next_uniform(self.rng)
+        """This sequence's next sampling uniform (seeded requests replay exactly), kept as
+        last_uniform (a penalized row is sampled again on the host with it)."""
+        self.last_uniform = next_uniform(self.rng)
+        return self.last_uniform
 
     def add_token(self, token_id: int, logprob=None, top_logprobs=()) -> None:
         """Record a generated token, apply the stop rules, and emit its event."""

@@ -21,13 +21,12 @@ MAX_COMPLETION_LOGPROBS = 5  # /v1/completions: logprobs is an integer in [0, 5]
 # Parameter -> the values it may carry here (null is always allowed): anything else is refused.
 NO_OP_VALUES: dict[str, tuple] = {
     "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "tools": ([],),
+    "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (),
     "prediction": (), "web_search_options": (), "reasoning_effort": (),
 }
-COMPLETIONS_EXTRAS = ("n", "best_of", "echo", "suffix", "logit_bias", "presence_penalty",
-                      "frequency_penalty")
+COMPLETIONS_EXTRAS = ("n", "best_of", "echo", "suffix", "logit_bias")
 CHAT_EXTRAS = tuple(k for k in NO_OP_VALUES if k not in ("best_of", "echo", "suffix"))
 
 
@@ -46,6 +45,8 @@ class _Common(_Strict):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     top_k: int | None = None
     seed: int | None = None
     stop: Any = None
@@ -158,7 +159,9 @@ def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> SamplingOptio
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=-1 if body.top_k is None else body.top_k,
         top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, logprobs=logprobs,
-        top_logprobs=top_logprobs)
+        top_logprobs=top_logprobs,
+        presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
+        frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty)
 
 
 # --- conversion --------------------------------------------------------------------------------

@@ -395,8 +395,10 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "echo": True}, "echo", "is not supported"),
     ({"prompt": "hi", "suffix": "end"}, "suffix", "is not supported"),
     ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias", "is not supported"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "is not supported"),
-    ({"prompt": "hi", "frequency_penalty": 1}, "frequency_penalty", "is not supported"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty",
+     "must be a number in [-2, 2], got 2.5"),
+    ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty",
+     "must be a number in [-2, 2], got -3"),
     ({"prompt": "hi", "tools": []}, "tools", "unrecognized request argument 'tools'"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
      "is only allowed when stream is true"),
@@ -437,6 +439,14 @@ def test_chat_validation_errors_name_the_field(frontend, extra, field, message):
         chat_to_routed(ChatRequest.model_validate(body), frontend)
     assert info.value.field == field
     assert message in str(info.value)
+
+
+def test_penalties_reach_the_sampling_options(frontend):
+    body = {"prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": -1}
+    sampling = completion_to_routed(CompletionRequest.model_validate(body), frontend).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1.5}
+    assert chat_to_routed(ChatRequest.model_validate(chat), frontend).sampling.penalized
 
 
 def test_no_op_values_of_unsupported_parameters_are_accepted(frontend):

@@ -21,12 +21,15 @@ def sampling_from_proto(msg: pb.SamplingParams) -> t.SamplingOptions:
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_k=msg.top_k, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         seed=msg.seed if msg.HasField("seed") else None, logprobs=msg.logprobs,
-        top_logprobs=msg.top_logprobs).validate()
+        top_logprobs=msg.top_logprobs, presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty).validate()
 
 
 def sampling_to_proto(s: t.SamplingOptions) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-                             logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+                             logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+                             presence_penalty=s.presence_penalty,
+                             frequency_penalty=s.frequency_penalty)
 
 
 def stop_from_proto(msg: pb.StopCriteria) -> t.StopOptions:

@@ -1,9 +1,16 @@
-"""Per-request sampling pieces both workers use: the request's random stream and logprobs.
+"""Per-request sampling pieces both workers use: the request's random stream, logprobs, and the
+presence / frequency penalties.
 
 Random stream: draw i of ``request_generator(seed)`` is the sampler's uniform for generated token
 i, whichever worker samples it. The prefill worker takes draw 0 for the first token; a decode worker
 that pulled the KV skips draw 0 and goes on, one that prefilled locally takes it itself, so a seeded
-request gives the same tokens with local or remote prefill."""
+request gives the same tokens with local or remote prefill.
+
+Penalties: the graph samples every row on device (no token history goes in); a decode worker takes
+a penalized row's logits (the graph returns them beside the tokens), lowers the logits of the
+tokens it has generated (``penalized_logits``) and samples that row again on the host with the
+same sampler and the same uniform (``sample_row``), so a seeded request stays replayable. The
+first token has nothing generated before it and is the device's."""
 from __future__ import annotations
 
 import torch
@@ -19,6 +26,27 @@ def request_generator(seed: int | None) -> torch.Generator:
     else:
         g.manual_seed(seed)
     return g
+
+
+def penalized_logits(logits: torch.Tensor, generated: list[int],
+                     sampling: SamplingOptions) -> torch.Tensor:
+    """OpenAI's penalties on one row's logits [vocab]: each token generated so far loses
+    frequency_penalty x its count + presence_penalty. A new float32 tensor."""
+    out = logits.float().clone()
+    if generated and sampling.penalized:
+        ids, counts = torch.tensor(generated, dtype=torch.long).unique(return_counts=True)
+        out[ids] -= sampling.frequency_penalty * counts.float() + sampling.presence_penalty
+    return out
+
+
+def sample_row(logits: torch.Tensor, sampling: SamplingOptions, uniform: float,
+               global_topk: int) -> int:
+    """The token the on-device sampler picks from one row's logits [vocab] with this request's
+    parameters and uniform (modules/sampling.sample_from_logits, run on the host)."""
+    from nxdi_common.modules.sampling import sample_from_logits
+    params = torch.tensor([sampling.as_row()], dtype=torch.float32)
+    return int(sample_from_logits(logits.float()[None], params,
+                                  torch.tensor([uniform], dtype=torch.float32), global_topk)[0])
 
 
 def next_uniform(g: torch.Generator) -> float:

@@ -31,6 +31,12 @@ class SamplingOptions:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    # OpenAI's penalties on tokens already generated: each such token's logit is lowered by
+    # presence_penalty once and by frequency_penalty per time it was generated (in [-2, 2];
+    # negative values favour repeats). Applied by the decode worker on the host (module doc of
+    # nxdi_common/serving/sampling.py); the first token, with nothing generated, is unaffected.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def validate(self) -> SamplingOptions:
         t, p = self.temperature, self.top_p
@@ -49,7 +55,16 @@ class SamplingOptions:
                                                  f"got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs", "requires logprobs to be true")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not -2 <= value <= 2:
+                raise InvalidRequest(name, f"must be a number in [-2, 2], got {value!r}")
         return self
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,119 @@
+"""OpenAI's presence and frequency penalties (nxdi_common/serving/sampling.py module doc): the
+arithmetic on a row of logits, the range check naming the field, the proto round trip, and a
+decode engine (tiny model, driven here turn by turn) whose penalized greedy tokens are those of
+transformers' logits with the penalties applied by hand, and whose seeded sampled tokens replay."""
+import pytest
+import torch
+
+from decode_service import main
+from nxdi_common.serving import convert
+from nxdi_common.serving.errors import InvalidRequest
+from nxdi_common.serving.sampling import penalized_logits, sample_row
+from nxdi_common.serving.types import DecodeJob, SamplingOptions, StopOptions
+
+PROMPT = [1, 504, 3458, 282, 4649, 314]
+
+
+def test_penalties_lower_each_generated_token_by_count_and_once():
+    logits = torch.zeros(8)
+    s = SamplingOptions(presence_penalty=0.5, frequency_penalty=1.0)
+    out = penalized_logits(logits, [3, 3, 5], s)
+    assert out.tolist() == [0, 0, 0, -2.5, 0, -1.5, 0, 0]
+    assert logits.tolist() == [0] * 8  # a new tensor
+    favour = penalized_logits(logits, [2], SamplingOptions(presence_penalty=-1))
+    assert favour[2] == 1 and favour.sum() == 1
+    assert torch.equal(penalized_logits(logits, [], s), logits)
+
+
+def test_sample_row_is_the_device_sampler_on_the_host():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
+    assert sample_row(logits, SamplingOptions(temperature=0), 0.7, 256) == 1
+    # temperature 1, top_k 2: tokens 1 and 3 nearly even; the uniform picks one, the same twice
+    s = SamplingOptions(temperature=1.0, top_k=2)
+    low, high = sample_row(logits, s, 0.01, 256), sample_row(logits, s, 0.99, 256)
+    assert {low, high} == {1, 3} and sample_row(logits, s, 0.99, 256) == high
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -2.01),
+                                         ("presence_penalty", float("nan"))])
+def test_penalties_outside_the_range_are_refused_by_name(field, value):
+    with pytest.raises(InvalidRequest) as info:
+        SamplingOptions(**{field: value}).validate()
+    assert info.value.field == field and "[-2, 2]" in str(info.value)
+
+
+def test_penalties_cross_the_wire():
+    s = SamplingOptions(temperature=0.5, presence_penalty=0.25, frequency_penalty=-1.5)
+    assert convert.sampling_from_proto(convert.sampling_to_proto(s)) == s
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_model):
+    args = main.parse_args(["--model", str(tiny_chat_model), "--dtype", "float32", "--backend",
+                            "eager", "--threads", "1", "--max-model-len", "256", "--kv-blocks",
+                            "32", "--block-size", "16", "--max-batch-size", "4"])
+    return main.build(args)[1]
+
+
+def generate(engine, rid, sampling, n):
+    out = []
+    seq = engine.admit(DecodeJob(rid, tuple(PROMPT), sampling, StopOptions(n, ignore_eos=True)),
+                       n, out.append)
+    engine.submit_local_prefill(seq)
+    for _ in range(500):
+        if seq.finished:
+            return [o.token_id for o in out]
+        engine._iterate()
+    raise AssertionError("the sequence did not finish")
+
+
+def test_penalized_greedy_tokens_are_transformers_logits_penalized_by_hand(engine,
+                                                                           tiny_chat_model):
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
+    sampling = SamplingOptions(temperature=0.0, presence_penalty=0.5, frequency_penalty=1.5)
+    ids, generated = list(PROMPT), []
+    with torch.no_grad():
+        for _ in range(24):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            token = int(penalized_logits(logits, generated, sampling).argmax())
+            generated.append(token)
+            ids.append(token)
+    assert generate(engine, "pen", sampling, 24) == generated
+    plain = generate(engine, "plain", SamplingOptions(temperature=0.0), 24)
+    assert plain != generated  # the penalties changed the tokens (the test is not vacuous)
+    assert len(set(generated)) > len(set(plain))
+
+
+def test_seeded_penalized_sampling_replays(engine):
+    sampling = SamplingOptions(temperature=1.0, top_p=0.9, seed=7, frequency_penalty=2.0)
+    first = generate(engine, "a", sampling, 16)
+    assert generate(engine, "b", sampling, 16) == first
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_penalties_through_the_openai_api(spawn_module, tiny_chat_model):
+    """Real processes: the HTTP body's penalties reach the decode worker (greedy: the penalized
+    tokens are not the plain ones, and the plain ones come back the same twice)."""
+    import httpx
+    common = ("--model", tiny_chat_model, "--dtype", "float32", "--backend", "eager",
+              "--threads", "1", "--max-model-len", 256)
+    decode = spawn_module("decode_service", *common, "--kv-blocks", 64)
+    prefill = spawn_module("prefill_service", *common)
+    http = spawn_module("router", "--model", tiny_chat_model, "--max-model-len", 256,
+                        "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
+                        "--decode", decode.grpc, "--prefill", prefill.grpc).info["http"]
+
+    def tokens(**extra):
+        r = httpx.post(f"http://{http}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    plain = tokens()
+    assert tokens() == plain
+    assert tokens(frequency_penalty=1.5, presence_penalty=0.5) != plain
+    r = httpx.post(f"http://{http}/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": "hi", "presence_penalty": 3})
+    assert r.status_code == 400 and "presence_penalty" in r.text
