@@ -5,11 +5,18 @@
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: malformed JSON and
 every validation failure give 400 naming the parameter; a full pool 429; no healthy decode worker
 503. When the client goes away, the request's decode call is cancelled (streaming: the event
-stream is closed; non-streaming: the request's work is cancelled)."""
+stream is closed; non-streaming: the request's work is cancelled).
+
+``n`` choices are ``n`` requests through the dispatcher (ids suffixed ``-0``.., a seeded
+request's choice i seeded ``seed + i``: the choices differ and each replays), run at once and
+merged: the response lists them by index; a stream interleaves their chunks as tokens come,
+each carrying its choice's index; usage counts the prompt once and every choice's tokens. The
+first failure of any of them fails the whole request (the others are cancelled)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -23,7 +30,7 @@ from nxdi_common.serving.errors import InvalidRequest, ServingError
 from router import openai_format as fmt
 from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend, RoutedRequest
-from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed,
+from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed, choices,
                                   completion_to_routed)
 
 log = logging.getLogger(__name__)
@@ -130,37 +137,86 @@ async def _collect(events) -> list:
         return [out async for out in events]
 
 
-async def _sse(first, events, formatter: fmt.Formatter):
-    """The SSE body: one chunk per token, the usage chunk if asked, then [DONE]. An error after
-    the stream started is sent as an error event."""
-    async with contextlib.aclosing(events):
+async def _all_or_none(coros) -> list:
+    """The results of all of ``coros``, run at once; the first failure cancels the rest."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # no-op for the finished ones
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _choice_requests(routed: RoutedRequest, n: int) -> list[RoutedRequest]:
+    """The requests of ``n`` choices (module doc)."""
+    if n == 1:
+        return [routed]
+    seed = routed.sampling.seed
+    return [dataclasses.replace(
+        routed, request_id=f"{routed.request_id}-{i}",
+        sampling=routed.sampling if seed is None
+        else dataclasses.replace(routed.sampling, seed=(seed + i) % 2 ** 64)) for i in range(n)]
+
+
+async def _sse(firsts: list, streams: list, formatter: fmt.Formatter):
+    """The SSE body: one chunk per token of any choice as it comes, the usage chunk if asked,
+    then [DONE]. An error after the stream started is sent as an error event."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, out, events) -> None:
         try:
-            for chunk in formatter.start_chunks():
-                yield fmt.sse(chunk)
-            out = first
             while out is not None:
-                yield fmt.sse(formatter.token_chunk(out))
+                queue.put_nowait((index, out))
                 out = await anext(events, None)
-            for chunk in formatter.end_chunks():
-                yield fmt.sse(chunk)
         except ServingError as exc:
-            log.info("stream %s failed: %s", formatter.response_id, exc)
-            yield fmt.sse(json.loads(serving_error_response(exc).body))
+            queue.put_nowait((index, exc))
+            return
+        queue.put_nowait((index, None))
+
+    tasks = []
+    try:
+        for chunk in formatter.start_chunks():
+            yield fmt.sse(chunk)
+        tasks = [asyncio.ensure_future(pump(i, first, events))
+                 for i, (first, events) in enumerate(zip(firsts, streams))]
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, ServingError):
+                raise item
+            else:
+                yield fmt.sse(formatter.token_chunk(item, index))
+        for chunk in formatter.end_chunks():
+            yield fmt.sse(chunk)
+    except ServingError as exc:
+        log.info("stream %s failed: %s", formatter.response_id, exc)
+        yield fmt.sse(json.loads(serving_error_response(exc).body))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for events in streams:
+            await events.aclose()
     yield fmt.SSE_DONE
 
 
 async def _respond(request: Request, dispatcher: Dispatcher, routed: RoutedRequest,
                    formatter: fmt.Formatter, stream: bool, started: float) -> Response:
-    events = dispatcher.generate(routed, started=started)
+    streams = [dispatcher.generate(r, started=started)
+               for r in _choice_requests(routed, formatter.n)]
     if not stream:
-        outs = await until_disconnect(request, _collect(events))
+        outs = await until_disconnect(request, _all_or_none(_collect(e) for e in streams))
         return JSONResponse(formatter.response(outs))
     try:
-        first = await until_disconnect(request, anext(events, None))
+        firsts = await until_disconnect(request, _all_or_none(anext(e, None) for e in streams))
     except BaseException:
-        await events.aclose()
+        for events in streams:
+            await events.aclose()
         raise
-    return EventStreamResponse(_sse(first, events, formatter), headers=SSE_HEADERS)
+    return EventStreamResponse(_sse(firsts, streams, formatter), headers=SSE_HEADERS)
 
 
 # --- the app -------------------------------------------------------------------------------------
@@ -196,14 +252,14 @@ def _add_generation_routes(app: FastAPI, frontend: ModelFrontend, dispatcher: Di
     async def completions(body: CompletionRequest, request: Request):
         started = time.monotonic()
         routed = completion_to_routed(body, frontend)
-        formatter = fmt.CompletionFormatter(frontend, routed, body)
+        formatter = fmt.CompletionFormatter(frontend, routed, body, choices(body))
         return await _respond(request, dispatcher, routed, formatter, bool(body.stream), started)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         started = time.monotonic()
         routed = chat_to_routed(body, frontend)
-        formatter = fmt.ChatFormatter(frontend, routed, body)
+        formatter = fmt.ChatFormatter(frontend, routed, body, choices(body))
         return await _respond(request, dispatcher, routed, formatter, bool(body.stream), started)
 
 

@@ -31,15 +31,17 @@ def finish_reason(reason: str | None) -> str | None:
                       f"the decode worker ended the request with finish reason {reason!r}")
 
 
-def usage(routed: RoutedRequest, outs: list[TokenOutput]) -> dict:
-    """OpenAI usage from the last event's usage (or the counts seen)."""
-    last = outs[-1].usage if outs else None
-    prompt = last.prompt_tokens if last else len(routed.prompt_ids)
-    completion = last.completion_tokens if last else len(outs)
+def usage(routed: RoutedRequest, choices: list[list[TokenOutput]]) -> dict:
+    """OpenAI usage from each choice's last event's usage (or the counts seen): the prompt
+    counted once, the completions of every choice added up."""
+    lasts = [outs[-1].usage if outs else None for outs in choices]
+    prompt = lasts[0].prompt_tokens if lasts[0] else len(routed.prompt_ids)
+    completion = sum(last.completion_tokens if last else len(outs)
+                     for last, outs in zip(lasts, choices))
     body = {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
-    if last and last.cached_prompt_tokens:
-        body["prompt_tokens_details"] = {"cached_tokens": last.cached_prompt_tokens}
+    if lasts[0] and lasts[0].cached_prompt_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": lasts[0].cached_prompt_tokens}
     return body
 
 
@@ -49,19 +51,20 @@ def model_card(frontend: ModelFrontend) -> dict:
 
 
 class Formatter:
-    """Shapes one request's output; subclasses define the endpoint's objects."""
+    """Shapes one request's output, ``n`` choices of it; subclasses define the endpoint's
+    objects."""
 
     prefix = ""
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, frontend: ModelFrontend, routed: RoutedRequest, body):
-        self.frontend, self.routed = frontend, routed
+    def __init__(self, frontend: ModelFrontend, routed: RoutedRequest, body, n: int = 1):
+        self.frontend, self.routed, self.n = frontend, routed, n
         self.response_id = f"{self.prefix}-{routed.request_id}"
         self.created = int(time.time())
         self.logprobs = routed.sampling.logprobs
         self.include_usage = body.include_usage
-        self._outs: list[TokenOutput] = []
+        self._outs: list[list[TokenOutput]] = [[] for _ in range(n)]
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.response_id, "object": obj, "created": self.created,
@@ -76,9 +79,9 @@ class Formatter:
     def start_chunks(self) -> list[dict]:
         return []
 
-    def token_chunk(self, out: TokenOutput) -> dict:
-        self._outs.append(out)
-        return self._chunk([self._delta_choice(out)])
+    def token_chunk(self, out: TokenOutput, index: int = 0) -> dict:
+        self._outs[index].append(out)
+        return self._chunk([self._delta_choice(out, index)])
 
     def end_chunks(self) -> list[dict]:
         """The usage chunk (choices empty) when stream_options.include_usage was set."""
@@ -88,19 +91,20 @@ class Formatter:
         body["usage"] = usage(self.routed, self._outs)
         return [body]
 
-    def response(self, outs: list[TokenOutput]) -> dict:
-        """The non-streaming response."""
-        body = self._envelope(self.object_name, [self._full_choice(outs)])
-        body["usage"] = usage(self.routed, outs)
+    def response(self, choices: list[list[TokenOutput]]) -> dict:
+        """The non-streaming response: each choice's tokens."""
+        body = self._envelope(self.object_name,
+                              [self._full_choice(outs, i) for i, outs in enumerate(choices)])
+        body["usage"] = usage(self.routed, choices)
         return body
 
     def _token_text(self, token_id: int, text: str = "") -> str:
         return text or self.frontend.token_text(token_id)
 
-    def _delta_choice(self, out: TokenOutput) -> dict:
+    def _delta_choice(self, out: TokenOutput, index: int) -> dict:
         raise NotImplementedError
 
-    def _full_choice(self, outs: list[TokenOutput]) -> dict:
+    def _full_choice(self, outs: list[TokenOutput], index: int) -> dict:
         raise NotImplementedError
 
 
@@ -109,9 +113,9 @@ class CompletionFormatter(Formatter):
 
     prefix, object_name, chunk_object_name = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, frontend, routed, body):
-        super().__init__(frontend, routed, body)
-        self._offset = 0
+    def __init__(self, frontend, routed, body, n: int = 1):
+        super().__init__(frontend, routed, body, n)
+        self._offsets = [0] * n  # each choice's text so far
 
     def _logprobs(self, outs: list[TokenOutput], offset: int) -> dict | None:
         if not self.logprobs:
@@ -126,14 +130,15 @@ class CompletionFormatter(Formatter):
                                   for x in o.top_logprobs} for o in outs],
                 "text_offset": offsets}
 
-    def _delta_choice(self, out: TokenOutput) -> dict:
-        choice = {"index": 0, "text": out.text, "logprobs": self._logprobs([out], self._offset),
+    def _delta_choice(self, out: TokenOutput, index: int) -> dict:
+        choice = {"index": index, "text": out.text,
+                  "logprobs": self._logprobs([out], self._offsets[index]),
                   "finish_reason": finish_reason(out.finish_reason)}
-        self._offset += len(out.text)
+        self._offsets[index] += len(out.text)
         return choice
 
-    def _full_choice(self, outs: list[TokenOutput]) -> dict:
-        return {"index": 0, "text": "".join(o.text for o in outs),
+    def _full_choice(self, outs: list[TokenOutput], index: int) -> dict:
+        return {"index": index, "text": "".join(o.text for o in outs),
                 "logprobs": self._logprobs(outs, 0),
                 "finish_reason": finish_reason(outs[-1].finish_reason if outs else None)}
 
@@ -161,14 +166,15 @@ class ChatFormatter(Formatter):
         return {"content": content}
 
     def start_chunks(self) -> list[dict]:
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])]
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
 
-    def _delta_choice(self, out: TokenOutput) -> dict:
-        return {"index": 0, "delta": {"content": out.text}, "logprobs": self._logprobs([out]),
+    def _delta_choice(self, out: TokenOutput, index: int) -> dict:
+        return {"index": index, "delta": {"content": out.text},
+                "logprobs": self._logprobs([out]),
                 "finish_reason": finish_reason(out.finish_reason)}
 
-    def _full_choice(self, outs: list[TokenOutput]) -> dict:
+    def _full_choice(self, outs: list[TokenOutput], index: int) -> dict:
         message = {"role": "assistant", "content": "".join(o.text for o in outs)}
-        return {"index": 0, "message": message, "logprobs": self._logprobs(outs),
+        return {"index": index, "message": message, "logprobs": self._logprobs(outs),
                 "finish_reason": finish_reason(outs[-1].finish_reason if outs else None)}

@@ -3,9 +3,10 @@ a :class:`~router.frontend.RoutedRequest`.
 
 Parsing is pydantic (strict types: ``"5"`` is not a number); every refusal becomes an
 ``InvalidRequest`` naming the parameter as the client spelled it. Parameters OpenAI defines but
-this server does not implement (``n > 1``, ``best_of``, ``echo``, ``suffix``, tools, ...) are
-refused by name unless they carry their no-op default; unknown parameters are refused too, as
-OpenAI does."""
+this server does not implement (``best_of``, ``echo``, ``suffix``, tools, ...) are refused by
+name unless they carry their no-op default; unknown parameters are refused too, as OpenAI does.
+``n`` choices (at most MAX_CHOICES) are ``n`` requests the gateway sends and merges
+(router/openai_api.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -18,15 +19,16 @@ from router.frontend import ChatTurn, ModelFrontend, RoutedRequest
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions: logprobs is an integer in [0, 5]
+MAX_CHOICES = 16  # n
 # Parameter -> the values it may carry here (null is always allowed): anything else is refused.
 NO_OP_VALUES: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (),
     "prediction": (), "web_search_options": (), "reasoning_effort": (),
 }
-COMPLETIONS_EXTRAS = ("n", "best_of", "echo", "suffix", "logit_bias")
+COMPLETIONS_EXTRAS = ("best_of", "echo", "suffix", "logit_bias")
 CHAT_EXTRAS = tuple(k for k in NO_OP_VALUES if k not in ("best_of", "echo", "suffix"))
 
 
@@ -47,6 +49,7 @@ class _Common(_Strict):
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    n: int | None = None
     top_k: int | None = None
     seed: int | None = None
     stop: Any = None
@@ -167,10 +170,20 @@ def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> SamplingOptio
 # --- conversion --------------------------------------------------------------------------------
 
 
+def choices(body: _Common) -> int:
+    """The number of choices asked for (n), checked."""
+    if body.n is None:
+        return 1
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise InvalidRequest("n", f"must be an integer in [1, {MAX_CHOICES}], got {body.n}")
+    return body.n
+
+
 def completion_to_routed(body: CompletionRequest, frontend: ModelFrontend,
                          request_id: str = "") -> RoutedRequest:
     """Validate a completions request and tokenize its prompt."""
     check_extras(body, COMPLETIONS_EXTRAS)
+    choices(body)
     frontend.check_model(body.model)
     _check_stream_options(body)
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
@@ -190,6 +203,7 @@ def chat_to_routed(body: ChatRequest, frontend: ModelFrontend,
                    request_id: str = "") -> RoutedRequest:
     """Validate a chat request, apply the chat template and tokenize."""
     check_extras(body, CHAT_EXTRAS)
+    choices(body)
     frontend.check_model(body.model)
     _check_stream_options(body)
     sampling = _sampling(body, bool(body.logprobs), body.top_logprobs or 0)

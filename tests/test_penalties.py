@@ -91,29 +91,3 @@ def test_seeded_penalized_sampling_replays(engine):
     assert generate(engine, "b", sampling, 16) == first
     assert engine.blocks.num_used_blocks == 0
 
-
-def test_penalties_through_the_openai_api(spawn_module, tiny_chat_model):
-    """Real processes: the HTTP body's penalties reach the decode worker (greedy: the penalized
-    tokens are not the plain ones, and the plain ones come back the same twice)."""
-    import httpx
-    common = ("--model", tiny_chat_model, "--dtype", "float32", "--backend", "eager",
-              "--threads", "1", "--max-model-len", 256)
-    decode = spawn_module("decode_service", *common, "--kv-blocks", 64)
-    prefill = spawn_module("prefill_service", *common)
-    http = spawn_module("router", "--model", tiny_chat_model, "--max-model-len", 256,
-                        "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
-                        "--decode", decode.grpc, "--prefill", prefill.grpc).info["http"]
-
-    def tokens(**extra):
-        r = httpx.post(f"http://{http}/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
-            "ignore_eos": True, "logprobs": 0, **extra})
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["logprobs"]["tokens"]
-
-    plain = tokens()
-    assert tokens() == plain
-    assert tokens(frequency_penalty=1.5, presence_penalty=0.5) != plain
-    r = httpx.post(f"http://{http}/v1/completions", timeout=60,
-                   json={"model": "tiny", "prompt": "hi", "presence_penalty": 3})
-    assert r.status_code == 400 and "presence_penalty" in r.text

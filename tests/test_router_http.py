@@ -112,7 +112,7 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "temperature": -1}, "temperature", "temperature: must be a finite number"),
     ({"prompt": "hi", "top_k": -2}, "top_k", "top_k: must be an integer >= -1"),
     ({"prompt": "hi", "model": "nope"}, "model", "model 'nope' is not served here"),
-    ({"prompt": "hi", "n": 2}, "n", "n: is not supported"),
+    ({"prompt": "hi", "n": 17}, "n", "n: must be an integer in [1, 16], got 17"),
     ({"prompt": "hi", "best_of": 2}, "best_of", "best_of: is not supported"),
     ({"prompt": "hi", "echo": True}, "echo", "echo: is not supported"),
     ({"prompt": "hi", "suffix": "x"}, "suffix", "suffix: is not supported"),

@@ -390,7 +390,7 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "stop": [""]}, "stop", "stop strings must be 1..256 characters"),
     ({"prompt": "hi", "stop_token_ids": [49152]}, "stop_token_ids", "outside [0, 49152)"),
     ({"prompt": "hi", "model": "gpt-4"}, "model", "model 'gpt-4' is not served here"),
-    ({"prompt": "hi", "n": 2}, "n", "is not supported by this server (only 1), got 2"),
+    ({"prompt": "hi", "n": 17}, "n", "must be an integer in [1, 16], got 17"),
     ({"prompt": "hi", "best_of": 3}, "best_of", "is not supported"),
     ({"prompt": "hi", "echo": True}, "echo", "is not supported"),
     ({"prompt": "hi", "suffix": "end"}, "suffix", "is not supported"),
@@ -427,7 +427,7 @@ CHAT_ERRORS = [
     ({"tools": [{"type": "function"}]}, "tools", "is not supported"),
     ({"tool_choice": "auto"}, "tool_choice", "is not supported"),
     ({"response_format": {"type": "json_object"}}, "response_format", "is not supported"),
-    ({"n": 3}, "n", "is not supported"),
+    ({"n": 0}, "n", "must be an integer in [1, 16], got 0"),
     ({"echo": True}, "echo", "unrecognized request argument 'echo'"),
 ]
 
@@ -495,7 +495,7 @@ def test_completion_response_shape(frontend):
     f = CompletionFormatter(frontend, routed, body)
     assert f.response_id == "cmpl-r"
     eos = frontend.token_text(2)
-    assert f.response(outputs()) == {
+    assert f.response([outputs()]) == {
         "id": f.response_id, "object": "text_completion", "created": f.created,
         "model": frontend.name,
         "choices": [{"index": 0, "text": "Hi", "finish_reason": "stop", "logprobs": {
@@ -522,6 +522,21 @@ def test_chat_stream_chunks_shape(frontend):
                       {**head, "choices": [], "usage": {"prompt_tokens": 3,
                                                         "completion_tokens": 2,
                                                         "total_tokens": 5}}]
+
+
+def test_choices_are_indexed_and_usage_adds_their_tokens(frontend):
+    routed = RoutedRequest("r", (1, 2, 3), SamplingOptions(), StopOptions(max_tokens=5))
+    body = CompletionRequest.model_validate({"prompt": "x", "n": 2, "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    f = CompletionFormatter(frontend, routed, body, n=2)
+    a, b = outputs(), outputs()
+    chunks = [f.token_chunk(a[0], 1), f.token_chunk(b[0], 0), f.token_chunk(a[1], 1)]
+    assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks] == \
+        [(1, "Hi"), (0, "Hi"), (1, "")]
+    assert f.end_chunks()[0]["usage"]["completion_tokens"] == 2 + 1  # choice 0 had one token
+    full = CompletionFormatter(frontend, routed, body, n=2).response([a, b[:1]])
+    assert [c["index"] for c in full["choices"]] == [0, 1]
+    assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
 
 def test_finish_reason_mapping():

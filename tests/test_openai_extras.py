@@ -1,0 +1,96 @@
+"""OpenAI parameters beyond one plain choice, on real processes (tiny model, eager; router,
+prefill and decode worker on loopback): n choices, merged in the response and interleaved in a
+stream by index; presence and frequency penalties reaching the decode worker."""
+import json
+
+import httpx
+import pytest
+
+PROMPT = [1, 504, 3458, 282, 4649, 314]
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def http(spawn_module, tiny_chat_model):
+    common = ("--model", tiny_chat_model, "--dtype", "float32", "--backend", "eager",
+              "--threads", "1", "--max-model-len", MAX_LEN)
+    decode = spawn_module("decode_service", *common, "--kv-blocks", 64)
+    prefill = spawn_module("prefill_service", *common)
+    return spawn_module("router", "--model", tiny_chat_model, "--max-model-len", MAX_LEN,
+                        "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
+                        "--decode", decode.grpc, "--prefill", prefill.grpc).info["http"]
+
+
+def post(http, path="/v1/completions", **body):
+    r = httpx.post(f"http://{http}{path}", timeout=60,
+                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": 12,
+                         "ignore_eos": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(http, **body):
+    """Each choice's text from the SSE chunks, and the usage chunk."""
+    texts, usage = {}, None
+    with httpx.stream("POST", f"http://{http}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, **body}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            usage = chunk.get("usage") or usage
+    return texts, usage
+
+
+def test_n_greedy_choices_are_indexed_and_equal(http):
+    one = post(http, temperature=0)
+    three = post(http, temperature=0, n=3)
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    assert {c["text"] for c in three["choices"]} == {one["choices"][0]["text"]}
+    assert three["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 36,
+                              "total_tokens": len(PROMPT) + 36}
+
+
+def test_n_choices_stream_interleaved_by_index(http):
+    texts, usage = stream(http, temperature=0, n=2)
+    full = post(http, temperature=0)["choices"][0]["text"]
+    assert texts == {0: full, 1: full}
+    assert usage["completion_tokens"] == 24
+
+
+def test_seeded_choices_differ_and_replay(http):
+    body = dict(temperature=1.0, seed=11, n=3, max_tokens=16)
+    first = [c["text"] for c in post(http, **body)["choices"]]
+    assert [c["text"] for c in post(http, **body)["choices"]] == first
+    assert len(set(first)) > 1  # choice i is seeded seed + i
+    assert post(http, **{**body, "n": 1})["choices"][0]["text"] == first[0]
+
+
+def test_chat_n_choices(http):
+    r = httpx.post(f"http://{http}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+        "n": 2, "temperature": 0})
+    assert r.status_code == 200
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    bad = httpx.post(f"http://{http}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 17})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+
+
+def test_penalties_through_the_openai_api(http):
+    """Greedy: the penalized tokens are not the plain ones, the plain ones the same twice."""
+    def tokens(**extra):
+        return post(http, temperature=0, max_tokens=24, logprobs=0,
+                    **extra)["choices"][0]["logprobs"]["tokens"]
+
+    plain = tokens()
+    assert tokens() == plain
+    assert tokens(frequency_penalty=1.5, presence_penalty=0.5) != plain
+    r = httpx.post(f"http://{http}/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": "hi", "presence_penalty": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "presence_penalty"
