@@ -13,6 +13,8 @@ import httpx
 import pytest
 import torch
 
+import hf_reference
+from hf_reference import greedy
 from nxdi_common import kv_transfer
 from nxdi_common.serving import kv_socket
 from protos.nxdi.serving.v1 import serving_pb2 as pb
@@ -30,16 +32,7 @@ def decode(spawn_module, tiny_chat_model):
 
 @pytest.fixture(scope="module")
 def reference(tiny_chat_model):
-    from transformers import LlamaForCausalLM
-    return LlamaForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
-
-
-def greedy(model, ids, n):
-    """transformers' greedy continuation of ids, n tokens, never stopping at EOS."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False)
-    return out[0, len(ids):].tolist()
+    return hf_reference.load(tiny_chat_model)
 
 
 def request(rid, ids, max_tokens=None, **kw):

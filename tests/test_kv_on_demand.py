@@ -4,9 +4,10 @@ running sequence is preempted (KV to host memory) when none is free and comes ba
 blocks with the same tokens transformers gives; --reserve-max-tokens keeps the old rule. The
 engine is built as the worker builds it (tiny model, eager) and driven here turn by turn."""
 import pytest
-import torch
 
+import hf_reference
 from decode_service import main
+from hf_reference import greedy
 from nxdi_common.serving.errors import Overloaded
 from nxdi_common.serving.types import DecodeJob, SamplingOptions, StopOptions
 
@@ -23,15 +24,7 @@ def build(model: str, blocks: int, *extra: str):
 
 @pytest.fixture(scope="module")
 def reference(tiny_chat_model):
-    from transformers import LlamaForCausalLM
-    return LlamaForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
-
-
-def greedy(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False)
-    return out[0, len(ids):].tolist()
+    return hf_reference.load(tiny_chat_model)
 
 
 def admit(engine, rid: str, prompt, max_tokens: int, sink: list | None = None):

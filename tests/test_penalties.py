@@ -5,6 +5,7 @@ transformers' logits with the penalties applied by hand, and whose seeded sample
 import pytest
 import torch
 
+import hf_reference
 from decode_service import main
 from nxdi_common.serving import convert
 from nxdi_common.serving.errors import InvalidRequest
@@ -69,8 +70,7 @@ def generate(engine, rid, sampling, n):
 
 def test_penalized_greedy_tokens_are_transformers_logits_penalized_by_hand(engine,
                                                                            tiny_chat_model):
-    from transformers import LlamaForCausalLM
-    model = LlamaForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
+    model = hf_reference.load(tiny_chat_model)
     sampling = SamplingOptions(temperature=0.0, presence_penalty=0.5, frequency_penalty=1.5)
     ids, generated = list(PROMPT), []
     with torch.no_grad():
