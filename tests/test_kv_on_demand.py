@@ -128,3 +128,23 @@ def test_a_request_larger_than_the_whole_pool_is_refused(tiny_chat_model):
     with pytest.raises(Overloaded, match="need 7 KV blocks, more than this worker's 6"):
         admit(engine, "big", range(100, 140), 60)
     assert engine.blocks.num_used_blocks == 0 and not engine._live
+
+
+@pytest.mark.parametrize("extra", [(), ("--kv-cache-dtype", "fp8"),
+                                   ("--dtype", "bfloat16", "--backend", "compiled")])
+def test_preemption_changes_no_token(tiny_chat_model, extra):
+    """The same sequences in a pool too small for them (preempted, resumed) and in one that
+    holds them all: the same tokens, whatever the cache's dtype or backend."""
+    prompts = [list(range(300, 340)), [11] * 25, list(range(500, 530))]
+
+    def tokens(blocks):
+        engine = build(tiny_chat_model, blocks, *extra)
+        outs = [[], [], []]
+        seqs = [admit(engine, f"s{i}", p, 90, outs[i]) for i, p in enumerate(prompts)]
+        run_until_done(engine, seqs)
+        return [[o.token_id for o in out] for out in outs], preemptions(engine)
+
+    small, preempted = tokens(12)
+    big, none = tokens(64)
+    assert preempted > 0 and none == 0
+    assert small == big
