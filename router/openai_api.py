@@ -7,7 +7,9 @@ every validation failure give 400 naming the parameter; a full pool 429; no heal
 503. When the client goes away, the request's decode call is cancelled (streaming: the event
 stream is closed; non-streaming: the request's work is cancelled).
 
-``n`` choices are ``n`` requests through the dispatcher (ids suffixed ``-0``.., a seeded
+A completions batch of prompts is a request per prompt, its choices after the previous
+prompt's (prompt i's are i * n .. i * n + n - 1). ``n`` choices are ``n`` requests through the
+dispatcher (ids suffixed ``-0``.., a seeded
 request's choice i seeded ``seed + i``: the choices differ and each replays), run at once and
 merged: the response lists them by index; a stream interleaves their chunks as tokens come,
 each carrying its choice's index; usage counts the prompt once and every choice's tokens. The
@@ -31,7 +33,7 @@ from router import openai_format as fmt
 from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend, RoutedRequest
 from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed, choices,
-                                  completion_to_routed)
+                                  completions_to_routed)
 
 log = logging.getLogger(__name__)
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
@@ -203,10 +205,11 @@ async def _sse(firsts: list, streams: list, formatter: fmt.Formatter):
     yield fmt.SSE_DONE
 
 
-async def _respond(request: Request, dispatcher: Dispatcher, routed: RoutedRequest,
-                   formatter: fmt.Formatter, stream: bool, started: float) -> Response:
-    streams = [dispatcher.generate(r, started=started)
-               for r in _choice_requests(routed, formatter.n)]
+async def _respond(request: Request, dispatcher: Dispatcher, formatter: fmt.Formatter,
+                   stream: bool, started: float) -> Response:
+    per_prompt = formatter.n // len(formatter.prompts)
+    streams = [dispatcher.generate(r, started=started) for routed in formatter.prompts
+               for r in _choice_requests(routed, per_prompt)]
     if not stream:
         outs = await until_disconnect(request, _all_or_none(_collect(e) for e in streams))
         return JSONResponse(formatter.response(outs))
@@ -251,16 +254,16 @@ def _add_generation_routes(app: FastAPI, frontend: ModelFrontend, dispatcher: Di
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         started = time.monotonic()
-        routed = completion_to_routed(body, frontend)
-        formatter = fmt.CompletionFormatter(frontend, routed, body, choices(body))
-        return await _respond(request, dispatcher, routed, formatter, bool(body.stream), started)
+        prompts = completions_to_routed(body, frontend)
+        formatter = fmt.CompletionFormatter(frontend, prompts[0], body, choices(body), prompts)
+        return await _respond(request, dispatcher, formatter, bool(body.stream), started)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         started = time.monotonic()
         routed = chat_to_routed(body, frontend)
         formatter = fmt.ChatFormatter(frontend, routed, body, choices(body))
-        return await _respond(request, dispatcher, routed, formatter, bool(body.stream), started)
+        return await _respond(request, dispatcher, formatter, bool(body.stream), started)
 
 
 def _add_info_routes(app: FastAPI, frontend: ModelFrontend, dispatcher: Dispatcher):

@@ -31,17 +31,21 @@ def finish_reason(reason: str | None) -> str | None:
                       f"the decode worker ended the request with finish reason {reason!r}")
 
 
-def usage(routed: RoutedRequest, choices: list[list[TokenOutput]]) -> dict:
-    """OpenAI usage from each choice's last event's usage (or the counts seen): the prompt
-    counted once, the completions of every choice added up."""
+def usage(prompts: list[RoutedRequest], choices: list[list[TokenOutput]]) -> dict:
+    """OpenAI usage from each choice's last event's usage (or the counts seen): each prompt
+    counted once (choices i * n .. i * n + n - 1 are prompt i's), the completions of every
+    choice added up."""
+    n = len(choices) // len(prompts)
     lasts = [outs[-1].usage if outs else None for outs in choices]
-    prompt = lasts[0].prompt_tokens if lasts[0] else len(routed.prompt_ids)
+    firsts = [(lasts[i * n], routed) for i, routed in enumerate(prompts)]
+    prompt = sum(last.prompt_tokens if last else len(routed.prompt_ids) for last, routed in firsts)
+    cached = sum(last.cached_prompt_tokens for last, _ in firsts if last)
     completion = sum(last.completion_tokens if last else len(outs)
                      for last, outs in zip(lasts, choices))
     body = {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
-    if lasts[0] and lasts[0].cached_prompt_tokens:
-        body["prompt_tokens_details"] = {"cached_tokens": lasts[0].cached_prompt_tokens}
+    if cached:
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
     return body
 
 
@@ -51,20 +55,24 @@ def model_card(frontend: ModelFrontend) -> dict:
 
 
 class Formatter:
-    """Shapes one request's output, ``n`` choices of it; subclasses define the endpoint's
-    objects."""
+    """Shapes one request's output: ``n`` choices of each of its prompts (``prompts``: a
+    completions batch's, else the one ``routed``), prompt i's as choices i * n .. i * n + n - 1;
+    subclasses define the endpoint's objects."""
 
     prefix = ""
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, frontend: ModelFrontend, routed: RoutedRequest, body, n: int = 1):
-        self.frontend, self.routed, self.n = frontend, routed, n
+    def __init__(self, frontend: ModelFrontend, routed: RoutedRequest, body, n: int = 1,
+                 prompts: list[RoutedRequest] | None = None):
+        self.frontend, self.routed = frontend, routed
+        self.prompts = prompts or [routed]
+        self.n = n * len(self.prompts)  # choices in all
         self.response_id = f"{self.prefix}-{routed.request_id}"
         self.created = int(time.time())
         self.logprobs = routed.sampling.logprobs
         self.include_usage = body.include_usage
-        self._outs: list[list[TokenOutput]] = [[] for _ in range(n)]
+        self._outs: list[list[TokenOutput]] = [[] for _ in range(self.n)]
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.response_id, "object": obj, "created": self.created,
@@ -88,14 +96,14 @@ class Formatter:
         if not self.include_usage:
             return []
         body = self._envelope(self.chunk_object_name, [])
-        body["usage"] = usage(self.routed, self._outs)
+        body["usage"] = usage(self.prompts, self._outs)
         return [body]
 
     def response(self, choices: list[list[TokenOutput]]) -> dict:
         """The non-streaming response: each choice's tokens."""
         body = self._envelope(self.object_name,
                               [self._full_choice(outs, i) for i, outs in enumerate(choices)])
-        body["usage"] = usage(self.routed, choices)
+        body["usage"] = usage(self.prompts, choices)
         return body
 
     def _token_text(self, token_id: int, text: str = "") -> str:
@@ -113,9 +121,9 @@ class CompletionFormatter(Formatter):
 
     prefix, object_name, chunk_object_name = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, frontend, routed, body, n: int = 1):
-        super().__init__(frontend, routed, body, n)
-        self._offsets = [0] * n  # each choice's text so far
+    def __init__(self, frontend, routed, body, n: int = 1, prompts=None):
+        super().__init__(frontend, routed, body, n, prompts)
+        self._offsets = [0] * self.n  # each choice's text so far
 
     def _logprobs(self, outs: list[TokenOutput], offset: int) -> dict | None:
         if not self.logprobs:

@@ -20,6 +20,7 @@ from router.frontend import ChatTurn, ModelFrontend, RoutedRequest
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions: logprobs is an integer in [0, 5]
 MAX_CHOICES = 16  # n
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
 # Parameter -> the values it may carry here (null is always allowed): anything else is refused.
 NO_OP_VALUES: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
@@ -78,7 +79,8 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    """``POST /v1/completions``: prompt is a string or a list of token ids (one prompt)."""
+    """``POST /v1/completions``: prompt is a string, a list of token ids, or a batch of either
+    (a list of strings or of token id lists, up to MAX_PROMPTS; ``prompts``)."""
 
     prompt: Any
     logprobs: int | None = None
@@ -88,12 +90,25 @@ class CompletionRequest(_Common):
     def _prompt(cls, value):
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
             value = value[0]  # a batch of one
-        if isinstance(value, str):
+        if _one_prompt(value):
             return value
-        if isinstance(value, list) and all(type(t) is int for t in value):
+        if isinstance(value, list) and value and all(
+                isinstance(p, (str, list)) and _one_prompt(p) for p in value):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"a batch holds at most {MAX_PROMPTS} prompts, got {len(value)}")
             return value
-        raise ValueError("must be a string or a list of token ids (one prompt; batches of "
-                         "several prompts are not supported)")
+        raise ValueError("must be a string, a list of token ids, or a list of either (a batch "
+                         "of prompts)")
+
+    @property
+    def prompts(self) -> list:
+        """The prompts: one, or the batch's."""
+        return [self.prompt] if _one_prompt(self.prompt) else list(self.prompt)
+
+
+def _one_prompt(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, list)
+                                      and all(type(t) is int for t in value))
 
 
 class ChatMessageIn(_Strict):
@@ -179,9 +194,19 @@ def choices(body: _Common) -> int:
     return body.n
 
 
+def completions_to_routed(body: CompletionRequest, frontend: ModelFrontend) -> list[RoutedRequest]:
+    """Validate a completions request and tokenize each of its prompts (errors name the
+    batch's prompt as prompt[i])."""
+    prompts = body.prompts
+    if len(prompts) == 1:
+        return [completion_to_routed(body, frontend)]
+    return [completion_to_routed(body, frontend, prompt=p, field=f"prompt[{i}]")
+            for i, p in enumerate(prompts)]
+
+
 def completion_to_routed(body: CompletionRequest, frontend: ModelFrontend,
-                         request_id: str = "") -> RoutedRequest:
-    """Validate a completions request and tokenize its prompt."""
+                         request_id: str = "", prompt=None, field: str = "prompt") -> RoutedRequest:
+    """Validate a completions request and tokenize its prompt (``prompt``: one of a batch's)."""
     check_extras(body, COMPLETIONS_EXTRAS)
     choices(body)
     frontend.check_model(body.model)
@@ -194,9 +219,9 @@ def completion_to_routed(body: CompletionRequest, frontend: ModelFrontend,
     stop = _stop_options(body, max_tokens)
     sampling.validate()
     stop.validate()
-    prompt = body.prompt
+    prompt = body.prompt if prompt is None else prompt
     ids = frontend.encode_text(prompt) if isinstance(prompt, str) else prompt
-    return frontend.prepare(ids, sampling, stop, "prompt", request_id)
+    return frontend.prepare(ids, sampling, stop, field, request_id)
 
 
 def chat_to_routed(body: ChatRequest, frontend: ModelFrontend,

@@ -1,6 +1,7 @@
 """OpenAI parameters beyond one plain choice, on real processes (tiny model, eager; router,
-prefill and decode worker on loopback): n choices, merged in the response and interleaved in a
-stream by index; presence and frequency penalties reaching the decode worker."""
+prefill and decode worker on loopback): n choices and batches of prompts, merged in the response
+and interleaved in a stream by index; presence and frequency penalties reaching the decode
+worker."""
 import json
 
 import httpx
@@ -69,6 +70,18 @@ def test_seeded_choices_differ_and_replay(http):
     assert [c["text"] for c in post(http, **body)["choices"]] == first
     assert len(set(first)) > 1  # choice i is seeded seed + i
     assert post(http, **{**body, "n": 1})["choices"][0]["text"] == first[0]
+
+
+def test_a_batch_of_prompts_gives_each_prompts_choices_in_order(http):
+    other = [1, 330, 2113, 451, 89]
+    a = post(http, temperature=0)["choices"][0]["text"]
+    b = post(http, temperature=0, prompt=other)["choices"][0]["text"]
+    batch = post(http, temperature=0, prompt=[PROMPT, other], n=2)
+    assert [(c["index"], c["text"]) for c in batch["choices"]] == [(0, a), (1, a), (2, b), (3, b)]
+    assert batch["usage"]["prompt_tokens"] == len(PROMPT) + len(other)
+    assert batch["usage"]["completion_tokens"] == 4 * 12
+    texts, usage = stream(http, temperature=0, prompt=[PROMPT, other])
+    assert texts == {0: a, 1: b} and usage["prompt_tokens"] == len(PROMPT) + len(other)
 
 
 def test_chat_n_choices(http):

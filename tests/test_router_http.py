@@ -119,7 +119,7 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "logprobs": 9}, "logprobs", "logprobs: must be an integer in [0, 5]"),
     ({"prompt": "hi", "temperature": "hot"}, "temperature", "temperature: Input should be a"),
     ({"prompt": "hi", "max_tokens": "5"}, "max_tokens", "max_tokens: Input should be a valid"),
-    ({"prompt": ["a", "b"]}, "prompt", "batches of several prompts are not supported"),
+    ({"prompt": ["a", [1, "b"]]}, "prompt", "a list of either (a batch of prompts)"),
     ({"max_tokens": 5}, "prompt", "prompt: Field required"),
 ]
 

@@ -20,7 +20,7 @@ from router.dispatch import Dispatcher, WorkerError, compatible_prefills
 from router.frontend import ModelFrontend, RoutedRequest
 from router.openai_format import ChatFormatter, CompletionFormatter, finish_reason
 from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed,
-                                  completion_to_routed)
+                                  completion_to_routed, completions_to_routed)
 from router.policies import (DECODE, PREFILL, LeastLoaded, LocalPrefillRule, PrefixAffinity,
                              RoundRobin, WorkerLoad, WorkerState, affinity_key, make_policy,
                              prefill_eta_s, prompt_tokens_ahead, rendezvous_order)
@@ -441,6 +441,19 @@ def test_chat_validation_errors_name_the_field(frontend, extra, field, message):
     assert message in str(info.value)
 
 
+def test_a_batch_of_prompts_is_a_request_each_and_errors_name_the_prompt(frontend):
+    body = CompletionRequest.model_validate({"prompt": ["hi", [5, 6, 7]], "max_tokens": 2})
+    first, second = completions_to_routed(body, frontend)
+    assert second.prompt_ids == (5, 6, 7) and first.prompt_ids != second.prompt_ids
+    assert first.request_id != second.request_id and second.stop.max_tokens == 2
+    long = CompletionRequest.model_validate({"prompt": ["hi", "word " * 80]})
+    with pytest.raises(InvalidRequest) as info:
+        completions_to_routed(long, frontend)
+    assert info.value.field == "prompt[1]"
+    one = completions_to_routed(CompletionRequest.model_validate({"prompt": ["hi"]}), frontend)
+    assert len(one) == 1
+
+
 def test_penalties_reach_the_sampling_options(frontend):
     body = {"prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": -1}
     sampling = completion_to_routed(CompletionRequest.model_validate(body), frontend).sampling
@@ -461,7 +474,8 @@ def test_no_op_values_of_unsupported_parameters_are_accepted(frontend):
     ({"prompt": "hi", "max_tokens": 1.5}, ("max_tokens",)),
     ({"prompt": "hi", "stream": "yes"}, ("stream",)),
     ({"prompt": [1, True]}, ("prompt",)),
-    ({"prompt": ["a", "b"]}, ("prompt",)),
+    ({"prompt": ["a", 5]}, ("prompt",)),
+    ({"prompt": ["a"] * 65}, ("prompt",)),
     ({"prompt": "hi", "stop": 5}, ("stop",)),
     ({}, ("prompt",)),
 ])
@@ -537,6 +551,12 @@ def test_choices_are_indexed_and_usage_adds_their_tokens(frontend):
     full = CompletionFormatter(frontend, routed, body, n=2).response([a, b[:1]])
     assert [c["index"] for c in full["choices"]] == [0, 1]
     assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    # two prompts (3 and 2 tokens), two choices each: each prompt counted once
+    other = RoutedRequest("q", (4, 5), SamplingOptions(), StopOptions(max_tokens=5))
+    batch = CompletionFormatter(frontend, routed, body, n=2, prompts=[routed, other])
+    assert batch.n == 4 and batch.token_chunk(a[0], 3)["choices"][0]["index"] == 3
+    assert batch.response([a, a, [], []])["usage"] == {
+        "prompt_tokens": 3 + 2, "completion_tokens": 4, "total_tokens": 9}
 
 
 def test_finish_reason_mapping():
