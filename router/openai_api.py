@@ -9,11 +9,12 @@ stream is closed; non-streaming: the request's work is cancelled).
 
 A completions batch of prompts is a request per prompt, its choices after the previous
 prompt's (prompt i's are i * n .. i * n + n - 1). ``n`` choices are ``n`` requests through the
-dispatcher (ids suffixed ``-0``.., a seeded
-request's choice i seeded ``seed + i``: the choices differ and each replays), run at once and
-merged: the response lists them by index; a stream interleaves their chunks as tokens come,
-each carrying its choice's index; usage counts the prompt once and every choice's tokens. The
-first failure of any of them fails the whole request (the others are cancelled)."""
+dispatcher (ids suffixed ``-0``..; a seeded request's choice i is seeded ``seed + i``, so the
+choices differ and each replays). All of a request's run at once and are merged: the response
+lists the choices by index, a stream interleaves their chunks as tokens come (each carrying its
+choice's index), usage counts each prompt once and every choice's tokens. The first failure of
+any of them fails the whole request (the others are cancelled); the router's metrics count each
+as a request of its own."""
 from __future__ import annotations
 
 import asyncio
