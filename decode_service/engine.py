@@ -79,14 +79,13 @@ import torch
 from nxdi_common.application import CausalLMOutput
 from nxdi_common.block_manager import BlockManager, OutOfBlocks
 from nxdi_common.modules.kv_cache import SequenceKVWriter
-from nxdi_common.modules.sampling import DEFAULT_GLOBAL_TOPK
 from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving.errors import Overloaded
 from nxdi_common.serving.rates import PrefillRate, moving_average
 from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
 from decode_service.sequence import Sequence
-from nxdi_common.serving.sampling import (penalized_logits, request_generator, sample_row,
-                                          token_logprobs)
+from nxdi_common.serving.sampling import (host_logits, model_global_topk, request_generator,
+                                          resample_on_host, sample_row, token_logprobs)
 from nxdi_common.serving.detokenize import OutputText
 
 log = logging.getLogger(__name__)
@@ -155,8 +154,7 @@ class DecodeEngine:
         self._swapped: list[Sequence] = []
         self._stopping = False
         self.scratch_slot = model.scratch[1] * config.block_size
-        odsc = model.neuron_config.on_device_sampling_config  # what sample_row must match
-        self.global_topk = getattr(odsc, "global_topk", DEFAULT_GLOBAL_TOPK)
+        self.global_topk = model_global_topk(model)  # what sample_row must match
         # measured: a decode-only step's seconds, and the seconds a piece adds per prompt token
         # to the running sequences' next token (moving averages; None until first measured)
         self.step_s: float | None = None
@@ -181,11 +179,12 @@ class DecodeEngine:
         if self._done is not None:
             concurrent.futures.wait([self._done], timeout=30)
 
-    def admit(self, job, max_tokens: int, emit) -> Sequence:
+    def admit(self, job, max_tokens: int, emit, constraint=None) -> Sequence:
         """Reserve blocks for the prompt and its first token (module doc; with
         reserve_max_tokens, for prompt + max_tokens) and return the new sequence, or raise
         Overloaded (the caller may try another worker). emit receives its TokenOutputs (and an
-        exception if it fails), from whichever thread produces them."""
+        exception if it fails), from whichever thread produces them. constraint: the job's
+        compiled structured output (structured.TokenConstraint), if any."""
         rid, prompt = job.request_id, list(job.prompt_ids)
         on_demand = not self.config.reserve_max_tokens
         reserve = 1 if on_demand else max_tokens
@@ -209,7 +208,7 @@ class DecodeEngine:
             alloc = self.blocks.allocate(rid, prompt, reserve)
             seq = Sequence(job, max_tokens, alloc.block_table, alloc.num_cached_tokens,
                            OutputText(self.tokenizer, job.stop.stop_strings), self.eos_ids, emit,
-                           request_generator(job.sampling.seed))
+                           request_generator(job.sampling.seed), constraint=constraint)
             self._live[rid] = seq
         return seq
 
@@ -533,13 +532,17 @@ class DecodeEngine:
         # tensor op per row costs ~10 us right after a step (BENCHMARKS.md, session 31)
         for i, (seq, token) in enumerate(zip(seqs, out.tokens.tolist())):
             sampling, logits = seq.job.sampling, None
-            if sampling.penalized and seq.generated:  # sampled again on the host, penalized
-                logits = penalized_logits(out.logits[i], seq.generated, sampling)
-                token = sample_row(logits, sampling, seq.last_uniform, self.global_topk)
-            logprob, top = (token_logprobs(out.logits[i] if logits is None else logits, token,
-                                           sampling, self.tokenizer)
-                            if sampling.logprobs else (None, ()))
-            seq.add_token(token, logprob, top)
+            try:
+                if resample_on_host(sampling, len(seq.generated)):
+                    logits = host_logits(out.logits[i], seq.generated, sampling, seq.constraint)
+                    token = sample_row(logits, sampling, seq.last_uniform, self.global_topk)
+                logprob, top = (token_logprobs(out.logits[i] if logits is None else logits,
+                                               token, sampling, self.tokenizer)
+                                if sampling.logprobs else (None, ()))
+                seq.add_token(token, logprob, top)
+            except Exception as exc:  # noqa: BLE001 - this sequence's own failure (a constraint)
+                log.exception("%s: sampling failed", seq.request_id)
+                seq.fail(exc)
             if seq.finished:
                 self.scheduler.remove(seq)
                 self.release(seq)

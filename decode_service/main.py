@@ -124,7 +124,8 @@ def build(args):
                       args.kv_pull_timeout_seconds, kv_socket=args.kv_socket == "on")
     limits = ModelLimits(opts.max_model_len, model.config.vocab_size)
     servicer = DecodeServicer(engine, puller, limits, fingerprint,
-                              args.local_prefill_max_tokens, metrics)
+                              args.local_prefill_max_tokens, metrics,
+                              worker.grammar_compiler(opts, limits.vocab_size, tokenizer))
     return servicer, engine, channels, metrics
 
 

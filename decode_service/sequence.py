@@ -37,6 +37,8 @@ class Sequence:
     # while preempted (engine._preempt): its KV, [layers, 2, blocks, block_size, H, D]
     swapped_kv: torch.Tensor | None = None
     last_uniform: float = 0.0  # draw_uniform's last draw
+    # the structured-output constraint (structured.TokenConstraint), fed every token; None: free
+    constraint: object = None
 
     @property
     def request_id(self) -> str:
@@ -61,7 +63,10 @@ class Sequence:
         return self.last_uniform
 
     def add_token(self, token_id: int, logprob=None, top_logprobs=()) -> None:
-        """Record a generated token, apply the stop rules, and emit its event."""
+        """Record a generated token, apply the stop rules, and emit its event. A token the
+        constraint does not allow raises (nothing recorded)."""
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
         self.generated.append(token_id)
         if len(self.generated) == 1:
             self.first_token_ns = time.monotonic_ns()
@@ -87,6 +92,8 @@ class Sequence:
             return t.STOP_TOKEN
         if stop_string:
             return t.STOP_STRING
+        if self.constraint is not None and self.constraint.done:
+            return t.EOS_TOKEN  # the constrained output is complete
         if len(self.generated) >= self.max_tokens:
             return t.LENGTH
         return None

@@ -15,35 +15,40 @@ from decode_service import convert
 from decode_service.engine import DecodeEngine
 from decode_service.kv_pull import KVPuller
 from nxdi_common.serving import types as t
+from nxdi_common.serving.structured import compile_constraint
 
 log = logging.getLogger(__name__)
 
 
 class DecodeServicer(convert.DecodeServicerBase):
     def __init__(self, engine: DecodeEngine, puller: KVPuller, limits: t.ModelLimits,
-                 fingerprint, local_prefill_max_tokens: int, metrics=None):
+                 fingerprint, local_prefill_max_tokens: int, metrics=None, grammars=None):
         self.engine, self.puller, self.limits = engine, puller, limits
         self.fingerprint, self.local_max = fingerprint, local_prefill_max_tokens
         self.metrics = metrics
+        self.grammars = grammars  # structured.GrammarCompiler (None: structured output refused)
         self.address = ""
 
-    def _admit(self, request, emit):
+    async def _admit(self, request, emit):
         try:
             job = convert.job_from_proto(request)
             t.check_prompt(job.prompt_ids, self.limits, "prompt_token_ids")
+            t.check_sampling(job.sampling, self.limits, "sampling_params.logit_bias")
             max_tokens = t.resolve_max_tokens(len(job.prompt_ids), job.stop, self.limits)
+            constraint = await compile_constraint(self.grammars, job.sampling)
         except ValueError:
             self._count("invalid")
             raise
         try:
-            return self.engine.admit(job, max_tokens, emit)
+            return self.engine.admit(job, max_tokens, emit, constraint)
         except Exception:
             self._count("rejected")
             raise
 
     async def Generate(self, request, context):
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        seq = self._admit(request, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        seq = await self._admit(request, lambda item: loop.call_soon_threadsafe(
+            events.put_nowait, item))
         task, outcome = None, "cancelled"
         try:
             task = self._start_prefill(seq, events)

@@ -30,7 +30,8 @@ from nxdi_common import bucketing
 from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving.errors import Overloaded, Unavailable
 from nxdi_common.serving.rates import PrefillRate
-from nxdi_common.serving.sampling import next_uniform, request_generator, token_logprobs
+from nxdi_common.serving.sampling import (host_logits, model_global_topk, next_uniform,
+                                          request_generator, sample_row, token_logprobs)
 from nxdi_common.serving.types import PrefillJob, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class PrefillTask:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     bucket: int = 0  # CTE length bucket, set by the scheduler
+    # the request's structured-output constraint (compiled by the servicer), or None
+    constraint: object = None
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
 
     @property
@@ -202,8 +205,11 @@ def run_batch(model, batch: list[PrefillTask]) -> list[PrefillOutput]:
     compute_ns = time.perf_counter_ns() - start
     results = []
     for i, task in enumerate(batch):
-        token = int(out.tokens[i])
-        logprob, top = token_logprobs(out.logits[i], token, task.job.sampling)
+        token, logits, sampling = int(out.tokens[i]), out.logits[i], task.job.sampling
+        if sampling.logit_bias or task.constraint is not None:  # sampled again on the host
+            logits = host_logits(logits, [], sampling, task.constraint)
+            token = sample_row(logits, sampling, float(rand[i]), model_global_topk(model))
+        logprob, top = token_logprobs(logits, token, sampling)
         k, v = copy_kv(model.kv_cache, i, (task.job.kv_token_start, task.num_tokens), task.heads)
         results.append(PrefillOutput(FirstTokenResult(token, logprob, top, compute_ns), k, v))
     return results
@@ -269,10 +275,11 @@ class PrefillEngine:
         if self._done is not None:
             concurrent.futures.wait([self._done], timeout)
 
-    def submit(self, job: PrefillJob, heads: tuple[int, int]) -> PrefillTask:
-        """Queue a validated job (Overloaded when the queue is full); await ``task.future``."""
+    def submit(self, job: PrefillJob, heads: tuple[int, int], constraint=None) -> PrefillTask:
+        """Queue a validated job (Overloaded when the queue is full); await ``task.future``.
+        constraint: the job's compiled structured output (structured.TokenConstraint), if any."""
         loop = asyncio.get_running_loop()
-        task = PrefillTask(job, heads, loop, loop.create_future())
+        task = PrefillTask(job, heads, loop, loop.create_future(), constraint=constraint)
         with self._cond:
             if self._stopping:
                 raise Unavailable("prefill worker is shutting down")

@@ -22,7 +22,8 @@ from nxdi_common.serving.compute import ComputeThread
 from nxdi_common.serving.errors import FailedPrecondition, InvalidRequest, Overloaded
 from nxdi_common.serving.grpc_server import GrpcServer, install_shutdown, print_ready
 from nxdi_common.serving.metrics import ServingMetrics
-from nxdi_common.serving.types import ModelLimits, PrefillJob, check_prompt
+from nxdi_common.serving.structured import compile_constraint
+from nxdi_common.serving.types import ModelLimits, PrefillJob, check_prompt, check_sampling
 from prefill_service import convert
 from prefill_service.scheduler import (ORDERS, LoadReport, PrefillEngine, PrefillOutput,
                                        PrefillScheduler, PrefillTask, check_order)
@@ -113,6 +114,7 @@ def check_job(job: PrefillJob, limits: ModelLimits, fp: ModelFingerprint,
         raise InvalidRequest("request_id", f"must be 1..{kv_transfer.MAX_REQUEST_ID_BYTES} "
                                            f"UTF-8 bytes, got {job.request_id!r:.300}")
     check_prompt(job.prompt_ids, limits, "prompt_token_ids")
+    check_sampling(job.sampling, limits, "sampling_params.logit_bias")
     if job.kv_token_start >= len(job.prompt_ids):
         raise InvalidRequest("kv_token_start", f"{job.kv_token_start} must be below the prompt "
                                                f"length {len(job.prompt_ids)}")
@@ -137,9 +139,10 @@ class PrefillServicer:
     """``nxdi.serving.v1.Prefill``: handlers run on the event loop; torch work on the engine."""
 
     def __init__(self, engine: PrefillEngine, fingerprint: ModelFingerprint, limits: ModelLimits,
-                 metrics: ServingMetrics, settings: PrefillSettings):
+                 metrics: ServingMetrics, settings: PrefillSettings, grammars=None):
         self.engine, self.fingerprint, self.limits = engine, fingerprint, limits
         self.metrics, self.settings = metrics, settings
+        self.grammars = grammars  # structured.GrammarCompiler (None: structured output refused)
         self.address = ""  # "host:port", set once bound
         self.open_transfers = 0  # streams sending KV now
         self.kv_socket: kvs.KVSocketServer | None = None  # set when listening
@@ -163,7 +166,8 @@ class PrefillServicer:
         job = convert.job_from_proto(request)
         heads, chunk_bytes = check_job(job, self.limits, self.fingerprint,
                                        self.settings.max_chunk_bytes)
-        task = self.engine.submit(job, heads)
+        constraint = await compile_constraint(self.grammars, job.sampling)
+        task = self.engine.submit(job, heads, constraint)
         try:
             await self._stream(task, context, arrival_ns, chunk_bytes)
         finally:
@@ -272,7 +276,7 @@ class PrefillApp:
     """A prefill worker: engine, servicer, gRPC server and metrics around one loaded model."""
 
     def __init__(self, model, fingerprint: ModelFingerprint, settings: PrefillSettings,
-                 metrics: ServingMetrics | None = None, runner=None):
+                 metrics: ServingMetrics | None = None, runner=None, grammars=None):
         self.settings = settings
         self.metrics = metrics or ServingMetrics("prefill")
         cte = model.context_encoding_model
@@ -282,7 +286,8 @@ class PrefillApp:
                                      settings.order, settings.max_overtaken_s)
         self.engine = PrefillEngine(model, scheduler, self._on_change, runner)
         limits = ModelLimits(model.neuron_config.seq_len, model.config.vocab_size)
-        self.servicer = PrefillServicer(self.engine, fingerprint, limits, self.metrics, settings)
+        self.servicer = PrefillServicer(self.engine, fingerprint, limits, self.metrics, settings,
+                                        grammars)
         self.grpc: GrpcServer | None = None
 
     def _on_change(self, queued: int, running: int) -> None:
@@ -384,7 +389,8 @@ def load_app(args: argparse.Namespace) -> PrefillApp:
     fingerprint = worker.model_fingerprint(model, opts)
     if args.model_name:
         fingerprint = dataclasses.replace(fingerprint, model_name=args.model_name)
-    return PrefillApp(model, fingerprint, settings, runner=compute)
+    grammars = worker.grammar_compiler(opts, model.config.vocab_size)  # tokenizer on first use
+    return PrefillApp(model, fingerprint, settings, runner=compute, grammars=grammars)
 
 
 async def serve(args: argparse.Namespace) -> None:

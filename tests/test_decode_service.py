@@ -235,6 +235,12 @@ def test_a_request_id_reused_after_it_finished_keeps_its_own_blocks(tiny_chat_mo
     (request("b7", [1, 2], 5, temperature=-1.0), "temperature"),
     (request("b8", [1, 2], 5, top_k=-2), "top_k"),
     (request("", [1, 2], 5), "request_id"),
+    (request("b9", [1, 2], 5, logit_bias={49152: 1.0}), "sampling_params.logit_bias"),
+    (request("b10", [1, 2], 5, logit_bias={5: 200.0}), "logit_bias"),
+    (request("b11", [1, 2], 5, structured_output=pb.StructuredOutput(regex="[0-")),
+     "sampling_params.structured_output"),
+    (request("b12", [1, 2], 5, structured_output=pb.StructuredOutput(
+        json_schema='{"type": "object", "required": 5}')), "sampling_params.structured_output"),
 ])
 def test_bad_input_is_invalid_argument(decode, req, field):
     with pytest.raises(grpc.aio.AioRpcError) as err:

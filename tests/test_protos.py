@@ -85,7 +85,8 @@ def _element_paths(fdp: descriptor_pb2.FileDescriptorProto) -> dict[tuple, str]:
             if i not in synthetic:
                 paths[path + (8, i)] = f"{m.name}.{o.name}"
         for i, nested in enumerate(m.nested_type):
-            message(path + (3, i), nested)
+            if not nested.options.map_entry:  # a map field's generated entry type
+                message(path + (3, i), nested)
         for i, e in enumerate(m.enum_type):
             enum(path + (4, i), e)
 

@@ -22,14 +22,35 @@ def sampling_from_proto(msg: pb.SamplingParams) -> t.SamplingOptions:
         top_k=msg.top_k, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         seed=msg.seed if msg.HasField("seed") else None, logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs, presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty).validate()
+        frequency_penalty=msg.frequency_penalty,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        structured=structured_from_proto(msg)).validate()
+
+
+def structured_from_proto(msg: pb.SamplingParams) -> t.StructuredOutput | None:
+    if not msg.HasField("structured_output"):
+        return None
+    so = msg.structured_output
+    kind = so.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return t.StructuredOutput(kind, choices=tuple(so.choice.choices))
+    return t.StructuredOutput(kind, spec=getattr(so, kind))
 
 
 def sampling_to_proto(s: t.SamplingOptions) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-                             logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-                             presence_penalty=s.presence_penalty,
-                             frequency_penalty=s.frequency_penalty)
+    msg = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                            logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+                            presence_penalty=s.presence_penalty,
+                            frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias))
+    so = s.structured
+    if so is not None:
+        if so.kind == "choice":
+            msg.structured_output.choice.choices.extend(so.choices)
+        else:
+            setattr(msg.structured_output, so.kind, so.spec)
+    return msg
 
 
 def stop_from_proto(msg: pb.StopCriteria) -> t.StopOptions:

@@ -1,5 +1,6 @@
-"""Per-request sampling pieces both workers use: the request's random stream, logprobs, and the
-presence / frequency penalties.
+"""Per-request sampling pieces both workers use: the request's random stream, logprobs, and what
+changes a row's logits on the host (presence / frequency penalties, logit_bias, structured
+output).
 
 Random stream: draw i of ``request_generator(seed)`` is the sampler's uniform for generated token
 i, whichever worker samples it. The prefill worker takes draw 0 for the first token; a decode worker
@@ -9,13 +10,17 @@ request gives the same tokens with local or remote prefill.
 Penalties: the graph samples every row on device (no token history goes in); a decode worker takes
 a penalized row's logits (the graph returns them beside the tokens), lowers the logits of the
 tokens it has generated (``penalized_logits``) and samples that row again on the host with the
-same sampler and the same uniform (``sample_row``), so a seeded request stays replayable. The
-first token has nothing generated before it and is the device's."""
+same sampler and the same uniform (``sample_row``), so a seeded request stays replayable.
+logit_bias and a structured-output constraint (nxdi_common/serving/structured.py) change the
+logits the same way (``host_logits``), the first token's too: a prefill worker samples a
+request's first token on the host when it has either."""
 from __future__ import annotations
 
 import torch
 
 from nxdi_common.serving.types import SamplingOptions, TokenLogprob
+
+LOGPROB_FLOOR = -9999.0  # the logprob reported for an impossible token (token_logprobs)
 
 
 def request_generator(seed: int | None) -> torch.Generator:
@@ -39,10 +44,41 @@ def penalized_logits(logits: torch.Tensor, generated: list[int],
     return out
 
 
+def resample_on_host(sampling: SamplingOptions, generated: int) -> bool:
+    """Whether a row is sampled again on the host after ``generated`` tokens: with logit_bias
+    or a constraint always, with penalties once a token was generated."""
+    return bool(sampling.logit_bias or sampling.structured is not None
+                or (sampling.penalized and generated))
+
+
+def host_logits(logits: torch.Tensor, generated: list[int], sampling: SamplingOptions,
+                constraint=None) -> torch.Tensor:
+    """One row's logits [vocab] as the request samples them on the host: penalized (tokens
+    generated so far), logit_bias added, and masked to what the structured-output constraint
+    allows next (a structured.TokenConstraint, or None). A new float32 tensor."""
+    out = penalized_logits(logits, generated, sampling)
+    if sampling.logit_bias:
+        ids, biases = zip(*sampling.logit_bias)
+        out[torch.tensor(ids, dtype=torch.long)] += torch.tensor(biases, dtype=torch.float32)
+    if constraint is not None:
+        constraint.mask_logits(out)
+    return out
+
+
+def model_global_topk(model) -> int:
+    """The model's on-device sampler's global top-k (what a row sampled on the host matches)."""
+    from nxdi_common.modules.sampling import DEFAULT_GLOBAL_TOPK
+    odsc = model.neuron_config.on_device_sampling_config
+    return getattr(odsc, "global_topk", DEFAULT_GLOBAL_TOPK)
+
+
 def sample_row(logits: torch.Tensor, sampling: SamplingOptions, uniform: float,
                global_topk: int) -> int:
     """The token the on-device sampler picks from one row's logits [vocab] with this request's
-    parameters and uniform (modules/sampling.sample_from_logits, run on the host)."""
+    parameters and uniform (modules/sampling.sample_from_logits, run on the host; a greedy
+    row is its argmax, the first of equal maxima as on the device)."""
+    if sampling.greedy:
+        return int(logits.argmax())
     from nxdi_common.modules.sampling import sample_from_logits
     params = torch.tensor([sampling.as_row()], dtype=torch.float32)
     return int(sample_from_logits(logits.float()[None], params,
@@ -58,7 +94,9 @@ def token_logprobs(logits: torch.Tensor, token_id: int, sampling: SamplingOption
                    tokenizer=None) -> tuple[float | None, tuple[TokenLogprob, ...]]:
     """Logprob of token_id and the top alternatives under the temperature-scaled distribution
     (plain log_softmax when greedy); (None, ()) unless logprobs were asked for. logits [vocab]
-    float32; alternatives carry their text when a tokenizer is given."""
+    float32; alternatives carry their text when a tokenizer is given. A token the request made
+    impossible (logit_bias -100, structured output) reports LOGPROB_FLOOR rather than -inf,
+    which JSON cannot carry (OpenAI reports -9999 the same way)."""
     if not sampling.logprobs:
         return None, ()
     scaled = logits.float() if sampling.greedy else logits.float() / sampling.temperature
@@ -66,6 +104,7 @@ def token_logprobs(logits: torch.Tensor, token_id: int, sampling: SamplingOption
     top = ()
     if sampling.top_logprobs:
         values, ids = torch.topk(logp, min(sampling.top_logprobs, logp.shape[0]))
-        top = tuple(TokenLogprob(int(i), float(v), tokenizer.decode([int(i)]) if tokenizer else "")
+        top = tuple(TokenLogprob(int(i), max(float(v), LOGPROB_FLOOR),
+                                 tokenizer.decode([int(i)]) if tokenizer else "")
                     for v, i in zip(values, ids))
-    return float(logp[token_id]), top
+    return max(float(logp[token_id]), LOGPROB_FLOOR), top

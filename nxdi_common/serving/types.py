@@ -5,6 +5,7 @@ OpenAI JSON into these. Validation lives here once, so every entry point refuses
 with the same message, naming the field as the client spelled it."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -13,12 +14,59 @@ from nxdi_common.serving.errors import InvalidRequest
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100], as OpenAI's
+MAX_STRUCTURED_SPEC_CHARS = 65536  # a schema, regex or grammar
+MAX_CHOICES = 256  # alternatives of a choice constraint
+STRUCTURED_KINDS = ("json_schema", "regex", "choice", "lark_grammar")
 
 # Finish reasons (the FinishReason enum of the proto, lower-case, as OpenAI clients see them
 # after the gateway maps eos_token/stop_token/stop_string to "stop").
 LENGTH, EOS_TOKEN, STOP_TOKEN, STOP_STRING = "length", "eos_token", "stop_token", "stop_string"
 CANCELLED, ERROR = "cancelled", "error"
 FINISH_REASONS = (LENGTH, EOS_TOKEN, STOP_TOKEN, STOP_STRING, CANCELLED, ERROR)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output's text (nxdi_common/serving/structured.py applies it).
+
+    kind is one of STRUCTURED_KINDS: ``json_schema`` (spec: a JSON Schema as JSON text),
+    ``regex`` (spec: a regular expression the whole output matches), ``choice`` (choices: the
+    output is exactly one of them), ``lark_grammar`` (spec: a Lark grammar). ``validate`` checks
+    the shape; whether a spec compiles is only known with the tokenizer (structured.compile)."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def validate(self, field_name: str = "structured_output") -> StructuredOutput:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest(field_name, f"kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                             f"got {self.kind!r}")
+        if self.kind == "choice":
+            if not 0 < len(self.choices) <= MAX_CHOICES:
+                raise InvalidRequest(field_name, f"choice needs 1..{MAX_CHOICES} alternatives, "
+                                                 f"got {len(self.choices)}")
+            if any(not isinstance(c, str) or not c for c in self.choices):
+                raise InvalidRequest(field_name, "choice alternatives must be non-empty strings")
+            size = sum(len(c) for c in self.choices)
+        else:
+            if not isinstance(self.spec, str) or not self.spec.strip():
+                raise InvalidRequest(field_name, f"{self.kind} must not be empty")
+            size = len(self.spec)
+        if size > MAX_STRUCTURED_SPEC_CHARS:
+            raise InvalidRequest(field_name, f"{self.kind} is {size} characters; at most "
+                                             f"{MAX_STRUCTURED_SPEC_CHARS}")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as exc:
+                raise InvalidRequest(field_name, f"json_schema is not JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise InvalidRequest(field_name, "json_schema must be a JSON object (a schema), "
+                                                 f"got {type(schema).__name__}")
+        return self
 
 
 @dataclass(frozen=True)
@@ -37,6 +85,12 @@ class SamplingOptions:
     # nxdi_common/serving/sampling.py); the first token, with nothing generated, is unaffected.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: (token id, bias) pairs added to those logits before every token is
+    # sampled, the first included (on the host, like the penalties). Ids are checked against
+    # the vocabulary where it is known (check_sampling).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # A constraint on the output (structured outputs); None: free text.
+    structured: StructuredOutput | None = None
 
     def validate(self) -> SamplingOptions:
         t, p = self.temperature, self.top_p
@@ -60,7 +114,22 @@ class SamplingOptions:
             if not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or not -2 <= value <= 2:
                 raise InvalidRequest(name, f"must be a number in [-2, 2], got {value!r}")
+        self._validate_logit_bias()
+        if self.structured is not None:
+            self.structured.validate()
         return self
+
+    def _validate_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, "
+                                               f"got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or token < 0:
+                raise InvalidRequest("logit_bias", f"keys must be token ids >= 0, got {token!r}")
+            if not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                    or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise InvalidRequest("logit_bias", f"token {token}: bias must be a number in "
+                                                   f"[-100, 100], got {bias!r}")
 
     @property
     def penalized(self) -> bool:
@@ -118,6 +187,14 @@ def check_prompt(prompt_ids: list[int] | tuple[int, ...], limits: ModelLimits,
                                          f"{limits.max_model_len} tokens including at least one "
                                          f"generated token")
     bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(field_name, f"token id {bad[0]} is outside [0, {limits.vocab_size})")
+
+
+def check_sampling(sampling: SamplingOptions, limits: ModelLimits,
+                   field_name: str = "logit_bias") -> None:
+    """What validate() cannot check without the model: logit_bias ids index the vocab."""
+    bad = [tok for tok, _ in sampling.logit_bias if tok >= limits.vocab_size]
     if bad:
         raise InvalidRequest(field_name, f"token id {bad[0]} is outside [0, {limits.vocab_size})")
 

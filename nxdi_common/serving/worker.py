@@ -236,6 +236,14 @@ def load_tokenizer(opts: ModelOptions):
     return AutoTokenizer.from_pretrained(str(opts.model_dir()))
 
 
+def grammar_compiler(opts: ModelOptions, vocab_size: int, tokenizer=None):
+    """The worker's structured-output compiler (its tokenizer loaded on first use unless given)."""
+    from nxdi_common.serving.structured import GrammarCompiler
+    return GrammarCompiler((lambda: tokenizer) if tokenizer is not None
+                           else (lambda: load_tokenizer(opts)),
+                           vocab_size, eos_token_ids(opts.model_dir()))
+
+
 def weights_hash(model_dir: Path) -> str:
     """sha256 over the checkpoint's weight files (names, then contents), hex. Computed once per
     process for the same files (a worker asks for it for its quantized folder and its
