@@ -7,6 +7,7 @@ format into text / token ids / chat messages plus SamplingOptions and StopOption
 :meth:`ModelFrontend.prepare_*`, so both refuse exactly the same inputs with the same messages."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -15,8 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nxdi_common.serving.errors import InvalidRequest, ModelNotFound
+from nxdi_common.serving.structured import GrammarCompiler
 from nxdi_common.serving.types import (ModelLimits, SamplingOptions, StopOptions, check_prompt,
-                                       resolve_max_tokens)
+                                       check_sampling, resolve_max_tokens)
 
 log = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -57,6 +59,9 @@ class ModelFrontend:
         self.tokenizer = tokenizer
         self.limits = limits
         self.created = int(time.time()) if created is None else created
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.grammars = GrammarCompiler(lambda: self.tokenizer, limits.vocab_size,
+                                        [] if eos is None else [eos])
 
     @classmethod
     def from_options(cls, opts, name: str | None = None) -> ModelFrontend:
@@ -112,10 +117,18 @@ class ModelFrontend:
         sampling.validate()
         stop.validate()
         _check_stop_ids(stop, self.limits)
+        check_sampling(sampling, self.limits)
         check_prompt(prompt_ids, self.limits, prompt_field)
         max_tokens = resolve_max_tokens(len(prompt_ids), stop, self.limits)
         return RoutedRequest(request_id or new_request_id(), tuple(prompt_ids), sampling,
                              replace(stop, max_tokens=max_tokens))
+
+
+    async def check_structured(self, sampling: SamplingOptions, field_name: str) -> None:
+        """Refuse (InvalidRequest naming field_name) a structured output that does not compile,
+        before any worker is asked (off the event loop; workers compile it again for use)."""
+        if sampling.structured is not None:
+            await asyncio.to_thread(self.grammars.compile, sampling.structured, field_name)
 
 
 def _check_stop_ids(stop: StopOptions, limits: ModelLimits) -> None:

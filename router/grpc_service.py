@@ -41,6 +41,7 @@ class RouterServicer(convert.RouterServicerBase):
         started = time.monotonic()
         try:
             routed = routed_from_proto(request, self.frontend)
+            await self.frontend.check_structured(routed.sampling, "sampling.structured_output")
         except ValueError:
             self.dispatcher.metrics.requests_total.inc("invalid")
             raise

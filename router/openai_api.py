@@ -34,7 +34,7 @@ from router import openai_format as fmt
 from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend, RoutedRequest
 from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed, choices,
-                                  completions_to_routed)
+                                  completions_to_routed, structured_field)
 
 log = logging.getLogger(__name__)
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
@@ -256,6 +256,7 @@ def _add_generation_routes(app: FastAPI, frontend: ModelFrontend, dispatcher: Di
     async def completions(body: CompletionRequest, request: Request):
         started = time.monotonic()
         prompts = completions_to_routed(body, frontend)
+        await frontend.check_structured(prompts[0].sampling, structured_field(body))
         formatter = fmt.CompletionFormatter(frontend, prompts[0], body, choices(body), prompts)
         return await _respond(request, dispatcher, formatter, bool(body.stream), started)
 
@@ -263,6 +264,7 @@ def _add_generation_routes(app: FastAPI, frontend: ModelFrontend, dispatcher: Di
     async def chat_completions(body: ChatRequest, request: Request):
         started = time.monotonic()
         routed = chat_to_routed(body, frontend)
+        await frontend.check_structured(routed.sampling, structured_field(body))
         formatter = fmt.ChatFormatter(frontend, routed, body, choices(body))
         return await _respond(request, dispatcher, formatter, bool(body.stream), started)
 

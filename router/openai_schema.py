@@ -9,12 +9,14 @@ name unless they carry their no-op default; unknown parameters are refused too, 
 (router/openai_api.py)."""
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from nxdi_common.serving.errors import InvalidRequest
-from nxdi_common.serving.types import SamplingOptions, StopOptions
+from nxdi_common.serving.types import SamplingOptions, StopOptions, StructuredOutput
 from router.frontend import ChatTurn, ModelFrontend, RoutedRequest
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -23,13 +25,16 @@ MAX_CHOICES = 16  # n
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 # Parameter -> the values it may carry here (null is always allowed): anything else is refused.
 NO_OP_VALUES: dict[str, tuple] = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (),
+    "modalities": (["text"],), "audio": (),
     "prediction": (), "web_search_options": (), "reasoning_effort": (),
 }
-COMPLETIONS_EXTRAS = ("best_of", "echo", "suffix", "logit_bias")
+COMPLETIONS_EXTRAS = ("best_of", "echo", "suffix")
+# structured_outputs (vLLM's extension): exactly one of these keys -> StructuredOutput kind
+STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                   "grammar": "lark_grammar"}
 CHAT_EXTRAS = tuple(k for k in NO_OP_VALUES if k not in ("best_of", "echo", "suffix"))
 
 
@@ -58,6 +63,11 @@ class _Common(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    # OpenAI's text / json_object / json_schema, on both endpoints (as vLLM), and vLLM's
+    # structured_outputs extension ({"json" | "regex" | "choice" | "grammar": ...})
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
     user: str | None = None  # accepted and ignored
     # Accepted and ignored (OpenAI bookkeeping that changes nothing here):
     store: bool | None = None
@@ -179,7 +189,100 @@ def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> SamplingOptio
         top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, logprobs=logprobs,
         top_logprobs=top_logprobs,
         presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
-        frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty)
+        frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
+        logit_bias=_logit_bias(body.logit_bias), structured=structured_output(body))
+
+
+def _logit_bias(value: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as sorted (id, bias) pairs (ranges: SamplingOptions)."""
+    pairs = []
+    for key, bias in (value or {}).items():
+        if not key.isdigit() or not key.isascii():
+            raise InvalidRequest("logit_bias", f"keys must be token ids (decimal integers), "
+                                               f"got {key!r:.100}")
+        if not math.isfinite(bias):
+            raise InvalidRequest("logit_bias", f"token {key}: bias must be a finite number")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+def structured_field(body: _Common) -> str:
+    """The parameter a request's structured output came from (for error messages)."""
+    return "structured_outputs" if body.structured_outputs is not None else "response_format"
+
+
+def structured_output(body: _Common) -> StructuredOutput | None:
+    """The request's constraint from response_format or structured_outputs (one of them)."""
+    if body.response_format is not None and body.structured_outputs is not None:
+        raise InvalidRequest("structured_outputs", "give response_format or structured_outputs, "
+                                                   "not both")
+    if body.structured_outputs is not None:
+        return _from_structured_outputs(body.structured_outputs)
+    if body.response_format is not None:
+        return _from_response_format(body.response_format)
+    return None
+
+
+def _from_response_format(rf: dict) -> StructuredOutput | None:
+    kind = rf.get("type")
+    if kind == "text":
+        _only_keys(rf, ("type",), "response_format")
+        return None
+    if kind == "json_object":
+        _only_keys(rf, ("type",), "response_format")
+        return StructuredOutput("json_schema", '{"type": "object"}').validate("response_format")
+    if kind == "json_schema":
+        _only_keys(rf, ("type", "json_schema"), "response_format")
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidRequest("response_format.json_schema", "must be an object with a "
+                                                                "'schema'")
+        _only_keys(spec, ("name", "description", "schema", "strict"),
+                   "response_format.json_schema")
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format.json_schema.schema",
+                                 "must be a JSON Schema object")
+        return StructuredOutput("json_schema", json.dumps(schema)).validate("response_format")
+    raise InvalidRequest("response_format.type", f"must be 'text', 'json_object' or "
+                                                 f"'json_schema', got {kind!r:.100}")
+
+
+def _from_structured_outputs(so: dict) -> StructuredOutput:
+    given = [k for k, v in so.items() if v is not None]
+    unknown = [k for k in given if k not in STRUCTURED_KEYS]
+    if unknown:
+        raise InvalidRequest("structured_outputs", f"unsupported key {unknown[0]!r:.100}; one "
+                                                   f"of {', '.join(STRUCTURED_KEYS)}")
+    if len(given) != 1:
+        raise InvalidRequest("structured_outputs", f"needs exactly one of "
+                                                   f"{', '.join(STRUCTURED_KEYS)}, got {given}")
+    key = given[0]
+    value, kind = so[key], STRUCTURED_KEYS[key]
+    if key == "json":
+        if isinstance(value, str):  # a schema as JSON text
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequest("structured_outputs.json", f"is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise InvalidRequest("structured_outputs.json", "must be a JSON Schema object")
+        out = StructuredOutput(kind, json.dumps(value))
+    elif key == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest("structured_outputs.choice", "must be a list of strings")
+        out = StructuredOutput(kind, choices=tuple(value))
+    else:
+        if not isinstance(value, str):
+            raise InvalidRequest(f"structured_outputs.{key}", "must be a string")
+        out = StructuredOutput(kind, value)
+    return out.validate(f"structured_outputs.{key}")
+
+
+def _only_keys(obj: dict, allowed: tuple[str, ...], field_name: str) -> None:
+    extra = [k for k in obj if k not in allowed]
+    if extra:
+        raise InvalidRequest(field_name, f"unsupported key {extra[0]!r:.100}")
 
 
 # --- conversion --------------------------------------------------------------------------------

@@ -107,3 +107,61 @@ def test_penalties_through_the_openai_api(http):
     r = httpx.post(f"http://{http}/v1/completions", timeout=60,
                    json={"model": "tiny", "prompt": "hi", "presence_penalty": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "presence_penalty"
+
+
+def test_logit_bias_reaches_the_first_token_and_the_rest(http, tiny_chat_model):
+    """+100 on one token forces it from the first token (the prefill worker's) on; -100 on the
+    plain greedy first token moves the first token elsewhere."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import hf_reference
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
+
+    def greedy(**extra):
+        return post(http, temperature=0, max_tokens=4, logprobs=0,
+                    **extra)["choices"][0]["logprobs"]["tokens"]
+
+    plain = greedy()
+    assert greedy(logit_bias={"4649": 100}) == [tokenizer.decode([4649])] * 4 != plain
+    with torch.no_grad():
+        first = int(hf_reference.load(tiny_chat_model)(torch.tensor([PROMPT])).logits[0, -1]
+                    .argmax())
+    assert tokenizer.decode([first]) == plain[0]
+    assert greedy(logit_bias={str(first): -100})[0] != plain[0]
+    bad = httpx.post(f"http://{http}/v1/completions", timeout=60,
+                     json={"model": "tiny", "prompt": "hi", "logit_bias": {"49152": 5}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
+SCHEMA = {"type": "object", "properties": {
+    "answer": {"enum": ["yes", "no"]}, "count": {"type": "integer"}},
+    "required": ["answer", "count"], "additionalProperties": False}
+
+
+def test_chat_response_format_json_schema_gives_json_of_the_schema(http):
+    for seed in range(3):
+        r = httpx.post(f"http://{http}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+            "seed": seed, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": SCHEMA, "strict": True}}})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice  # the object closed before 200 tokens
+        value = json.loads(choice["message"]["content"])
+        assert set(value) == {"answer", "count"} and value["answer"] in ("yes", "no")
+        assert isinstance(value["count"], int)
+
+
+def test_structured_outputs_choice_and_regex_in_completions_and_streams(http):
+    choices = ["red", "green", "blue sky"]
+    got = {post(http, seed=s, max_tokens=20, structured_outputs={"choice": choices})
+           ["choices"][0]["text"] for s in range(6)}
+    assert got <= set(choices) and len(got) > 1
+    texts, usage = stream(http, seed=3, max_tokens=30, structured_outputs={"regex": "[0-9]{4}"})
+    assert len(texts[0]) == 4 and texts[0].isdigit() and usage["completion_tokens"] <= 4
+    bad = httpx.post(f"http://{http}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "hi", "structured_outputs": {"regex": "[0-"}})
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "structured_outputs"
+    assert "does not compile" in bad.json()["error"]["message"]

@@ -5,6 +5,7 @@ OpenAI response shapes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
@@ -13,14 +14,15 @@ from pydantic import ValidationError
 
 from nxdi_common.serving.errors import InvalidRequest, Unavailable
 from nxdi_common.serving.metrics import ServingMetrics
-from nxdi_common.serving.types import SamplingOptions, StopOptions, TokenLogprob, TokenOutput, Usage
+from nxdi_common.serving.types import (SamplingOptions, StopOptions, StructuredOutput,
+                                       TokenLogprob, TokenOutput, Usage)
 from nxdi_common.serving.worker import ModelOptions
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from router.dispatch import Dispatcher, WorkerError, compatible_prefills
 from router.frontend import ModelFrontend, RoutedRequest
 from router.openai_format import ChatFormatter, CompletionFormatter, finish_reason
 from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed,
-                                  completion_to_routed, completions_to_routed)
+                                  completion_to_routed, completions_to_routed, structured_field)
 from router.policies import (DECODE, PREFILL, LeastLoaded, LocalPrefillRule, PrefixAffinity,
                              RoundRobin, WorkerLoad, WorkerState, affinity_key, make_policy,
                              prefill_eta_s, prompt_tokens_ahead, rendezvous_order)
@@ -394,7 +396,35 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "best_of": 3}, "best_of", "is not supported"),
     ({"prompt": "hi", "echo": True}, "echo", "is not supported"),
     ({"prompt": "hi", "suffix": "end"}, "suffix", "is not supported"),
-    ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias", "is not supported"),
+    ({"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias", "keys must be token ids"),
+    ({"prompt": "hi", "logit_bias": {"-5": 1}}, "logit_bias", "keys must be token ids"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "bias must be a number in "
+                                                               "[-100, 100], got 101"),
+    ({"prompt": "hi", "logit_bias": {"49152": 1}}, "logit_bias", "token id 49152 is outside"),
+    ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias",
+     "at most 1024 entries, got 1025"),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format.type",
+     "must be 'text', 'json_object' or 'json_schema', got 'xml'"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "must be a JSON Schema object"),
+    ({"prompt": "hi", "response_format": {"type": "json_object", "schema": {}}},
+     "response_format", "unsupported key 'schema'"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs", "needs exactly one of json, regex, choice, grammar"),
+    ({"prompt": "hi", "structured_outputs": {"xml": "a"}}, "structured_outputs",
+     "unsupported key 'xml'"),
+    ({"prompt": "hi", "structured_outputs": {"choice": []}}, "structured_outputs.choice",
+     "choice needs 1..256 alternatives, got 0"),
+    ({"prompt": "hi", "structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice",
+     "must be non-empty strings"),
+    ({"prompt": "hi", "structured_outputs": {"json": "{oops"}}, "structured_outputs.json",
+     "is not JSON"),
+    ({"prompt": "hi", "structured_outputs": {"regex": ""}}, "structured_outputs.regex",
+     "regex must not be empty"),
+    ({"prompt": "hi", "structured_outputs": {"grammar": "x" * 70000}},
+     "structured_outputs.grammar", "at most 65536"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "a"}, "response_format": {"type": "text"}},
+     "structured_outputs", "not both"),
     ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty",
      "must be a number in [-2, 2], got 2.5"),
     ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty",
@@ -426,7 +456,8 @@ CHAT_ERRORS = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20]"),
     ({"tools": [{"type": "function"}]}, "tools", "is not supported"),
     ({"tool_choice": "auto"}, "tool_choice", "is not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "is not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": []}},
+     "response_format.json_schema", "must be an object"),
     ({"n": 0}, "n", "must be an integer in [1, 16], got 0"),
     ({"echo": True}, "echo", "unrecognized request argument 'echo'"),
 ]
@@ -460,6 +491,45 @@ def test_penalties_reach_the_sampling_options(frontend):
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1)
     chat = {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1.5}
     assert chat_to_routed(ChatRequest.model_validate(chat), frontend).sampling.penalized
+
+
+def test_logit_bias_and_structured_outputs_reach_the_sampling_options(frontend):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"7": -100, "3": 2.5},
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "p", "strict": True, "schema": {"type": "object"}}}}
+    sampling = chat_to_routed(ChatRequest.model_validate(chat), frontend).sampling
+    assert sampling.logit_bias == ((3, 2.5), (7, -100.0))
+    assert sampling.structured == StructuredOutput("json_schema", '{"type": "object"}')
+    body = {"prompt": "hi", "response_format": {"type": "json_object"}}
+    so = completion_to_routed(CompletionRequest.model_validate(body), frontend).sampling.structured
+    assert so.kind == "json_schema" and json.loads(so.spec) == {"type": "object"}
+    for given, want in [({"choice": ["yes", "no"]}, StructuredOutput("choice", choices=("yes", "no"))),
+                        ({"regex": "[0-9]+"}, StructuredOutput("regex", "[0-9]+")),
+                        ({"grammar": 'start: "a"'}, StructuredOutput("lark_grammar", 'start: "a"')),
+                        ({"json": '{"type": "integer"}'},
+                         StructuredOutput("json_schema", '{"type": "integer"}'))]:
+        body = {"prompt": "hi", "structured_outputs": given}
+        got = completion_to_routed(CompletionRequest.model_validate(body), frontend).sampling
+        assert got.structured == want
+    text = {"prompt": "hi", "response_format": {"type": "text"}}
+    assert completion_to_routed(CompletionRequest.model_validate(text),
+                                frontend).sampling.structured is None
+
+
+@pytest.mark.parametrize("structured,field,message", [
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "regex does not compile"),
+    ({"structured_outputs": {"grammar": "start: nothing"}}, "structured_outputs",
+     'unknown name: "nothing"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+     "response_format", "json_schema does not compile"),
+])
+def test_a_constraint_that_does_not_compile_is_refused_by_name(frontend, structured, field,
+                                                               message):
+    body = CompletionRequest.model_validate({"prompt": "hi", **structured})
+    routed = completion_to_routed(body, frontend)
+    with pytest.raises(InvalidRequest) as info:
+        asyncio.run(frontend.check_structured(routed.sampling, structured_field(body)))
+    assert info.value.field == field and message in str(info.value)
 
 
 def test_no_op_values_of_unsupported_parameters_are_accepted(frontend):
