@@ -35,6 +35,26 @@ def test_sample_row_is_the_device_sampler_on_the_host():
     assert {low, high} == {1, 3} and sample_row(logits, s, 0.99, 256) == high
 
 
+def test_sample_row_picks_what_the_batched_sampler_picks():
+    """sample_row's one-row ops against modules/sampling.sample_from_logits: the same token for
+    random logits, masked ones (-inf, as a constraint leaves them) included."""
+    from nxdi_common.modules.sampling import sample_from_logits
+    g = torch.Generator().manual_seed(0)
+    configs = [SamplingOptions(temperature=0.7, top_p=0.9), SamplingOptions(temperature=1.3,
+               top_k=40), SamplingOptions(temperature=1.0), SamplingOptions(temperature=0.5,
+               top_k=5, top_p=0.5), SamplingOptions(temperature=0.0)]
+    for trial in range(60):
+        logits = torch.randn(4096, generator=g) * 3
+        if trial % 3:  # most tokens masked; with trial % 3 == 2 fewer than 256 remain
+            drop = torch.rand(4096, generator=g) < (0.9 if trial % 3 == 1 else 0.99)
+            logits[drop] = float("-inf")
+        for s in configs:
+            u = float(torch.rand(1, generator=g))
+            want = sample_from_logits(logits[None], torch.tensor([s.as_row()]),
+                                      torch.tensor([u]), 256)
+            assert sample_row(logits, s, u, 256) == int(want[0]), (trial, s)
+
+
 @pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -2.01),
                                          ("presence_penalty", float("nan"))])
 def test_penalties_outside_the_range_are_refused_by_name(field, value):

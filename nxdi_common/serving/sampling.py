@@ -75,14 +75,22 @@ def model_global_topk(model) -> int:
 def sample_row(logits: torch.Tensor, sampling: SamplingOptions, uniform: float,
                global_topk: int) -> int:
     """The token the on-device sampler picks from one row's logits [vocab] with this request's
-    parameters and uniform (modules/sampling.sample_from_logits, run on the host; a greedy
-    row is its argmax, the first of equal maxima as on the device)."""
+    parameters and uniform: the same rule as modules/sampling.sample_from_logits (top-k of the
+    global top-K candidates, temperature, nucleus, the uniform's inverse CDF), written for one
+    row on the host in a few ops instead of the batched graph's ~20 (~0.3 ms less a token); a
+    greedy row is its argmax, the first of equal maxima as on the device."""
+    logits = logits.float()
     if sampling.greedy:
         return int(logits.argmax())
-    from nxdi_common.modules.sampling import sample_from_logits
-    params = torch.tensor([sampling.as_row()], dtype=torch.float32)
-    return int(sample_from_logits(logits.float()[None], params,
-                                  torch.tensor([uniform], dtype=torch.float32), global_topk)[0])
+    top, ids = torch.topk(logits, min(global_topk, logits.shape[-1]))  # sorted, descending
+    k = sampling.top_k if 0 < sampling.top_k < top.shape[0] else top.shape[0]
+    probs = torch.softmax(top[:k] / sampling.temperature, dim=-1)
+    cdf = probs.cumsum(-1)
+    if sampling.top_p < 1.0:  # keep a candidate while the mass before it is below top_p
+        kept = int(((cdf - probs) < sampling.top_p).sum())
+        cdf = cdf[:max(kept, 1)]
+    index = int((cdf < uniform * cdf[-1]).sum())
+    return int(ids[min(index, cdf.shape[0] - 1)])
 
 
 def next_uniform(g: torch.Generator) -> float:
