@@ -31,7 +31,8 @@ from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving.errors import Overloaded, Unavailable
 from nxdi_common.serving.rates import PrefillRate
 from nxdi_common.serving.sampling import (host_logits, model_global_topk, next_uniform,
-                                          request_generator, sample_row, token_logprobs)
+                                          request_generator, resample_on_host, sample_row,
+                                          token_logprobs)
 from nxdi_common.serving.types import PrefillJob, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -206,7 +207,7 @@ def run_batch(model, batch: list[PrefillTask]) -> list[PrefillOutput]:
     results = []
     for i, task in enumerate(batch):
         token, logits, sampling = int(out.tokens[i]), out.logits[i], task.job.sampling
-        if sampling.logit_bias or task.constraint is not None:  # sampled again on the host
+        if resample_on_host(sampling, 0):  # logit_bias or a constraint: sampled on the host
             logits = host_logits(logits, [], sampling, task.constraint)
             token = sample_row(logits, sampling, float(rand[i]), model_global_topk(model))
         logprob, top = token_logprobs(logits, token, sampling)

@@ -10,7 +10,6 @@ name unless they carry their no-op default; unknown parameters are refused too, 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -200,8 +199,6 @@ def _logit_bias(value: dict[str, float] | None) -> tuple[tuple[int, float], ...]
         if not key.isdigit() or not key.isascii():
             raise InvalidRequest("logit_bias", f"keys must be token ids (decimal integers), "
                                                f"got {key!r:.100}")
-        if not math.isfinite(bias):
-            raise InvalidRequest("logit_bias", f"token {key}: bias must be a finite number")
         pairs.append((int(key), float(bias)))
     return tuple(sorted(pairs))
 
@@ -259,15 +256,10 @@ def _from_structured_outputs(so: dict) -> StructuredOutput:
                                                    f"{', '.join(STRUCTURED_KEYS)}, got {given}")
     key = given[0]
     value, kind = so[key], STRUCTURED_KEYS[key]
-    if key == "json":
-        if isinstance(value, str):  # a schema as JSON text
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise InvalidRequest("structured_outputs.json", f"is not JSON: {exc}") from None
-        if not isinstance(value, dict):
+    if key == "json":  # a schema, or a schema as JSON text (validate parses and checks it)
+        if not isinstance(value, (dict, str)):
             raise InvalidRequest("structured_outputs.json", "must be a JSON Schema object")
-        out = StructuredOutput(kind, json.dumps(value))
+        out = StructuredOutput(kind, value if isinstance(value, str) else json.dumps(value))
     elif key == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
             raise InvalidRequest("structured_outputs.choice", "must be a list of strings")

@@ -37,9 +37,8 @@ def _escape(text: str) -> str:
 
 
 def grammar_text(so: StructuredOutput) -> str:
-    """The constraint as an llguidance grammar (JSON text); validates so first."""
+    """The constraint (validated) as an llguidance grammar (JSON text)."""
     from llguidance import LLMatcher
-    so.validate()
     if so.kind == "json_schema":
         return LLMatcher.grammar_from_json_schema(json.loads(so.spec), defaults=JSON_DEFAULTS)
     if so.kind == "regex":
