@@ -6,7 +6,9 @@ first token (medians), run C at a time.
     .venv/bin/python bench/bench_structured.py --url http://127.0.0.1:8000 --requests 16
 
 The constrained rows are masked and sampled on the host (nxdi_common/serving/structured.py):
-the TPOT ratio between the two modes is that cost as a stream sees it."""
+the TPOT ratio between the two modes is that cost as a stream sees it. Constrained answers are
+shorter, so requests also arrive more often a step; ``--fixed-tokens N`` makes every answer N
+tokens long in both modes to separate the two."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +24,10 @@ SCHEMA = {"type": "object", "properties": {
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "city": {"type": "string", "maxLength": 40}},
     "required": ["name", "age", "city"], "additionalProperties": False}
+# --fixed-tokens: one long string (at least 2000 characters), so a constrained answer runs to
+# max_tokens too
+STORY = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
+         "required": ["story"]}
 
 
 def valid(text: str) -> bool:
@@ -37,15 +43,17 @@ def valid(text: str) -> bool:
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, i: int, constrained: bool,
-              max_tokens: int) -> dict:
+              max_tokens: int, fixed: bool) -> dict:
     body = {"model": model, "temperature": 0.7, "seed": i, "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content":
                           f"Describe person number {i} as a JSON object with the fields name "
                           f"(string), age (integer) and city (string). Answer with JSON only."}]}
+    if fixed:  # every request max_tokens long: a free row against an unbounded-string one
+        body["ignore_eos"] = True
     if constrained:
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "person", "schema": SCHEMA}}
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "person", "schema": STORY if fixed else SCHEMA}}
     start, times, text, tokens = time.perf_counter(), [], "", 0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -70,7 +78,8 @@ async def run_mode(client, args, model: str, constrained: bool) -> dict:
 
     async def limited(i):
         async with sem:
-            return await one(client, args.url, model, i, constrained, args.max_tokens)
+            return await one(client, args.url, model, i, constrained,
+                             args.fixed_tokens or args.max_tokens, bool(args.fixed_tokens))
 
     start = time.perf_counter()
     results = await asyncio.gather(*(limited(i) for i in range(args.requests)))
@@ -107,6 +116,10 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=120)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--fixed-tokens", type=int, default=0, metavar="N",
+                   help="every answer exactly N tokens (ignore_eos; the constrained mode's "
+                        "schema is one string of 2000+ characters): the constraint's cost per token at "
+                        "equal lengths and arrivals")
     asyncio.run(main_async(p.parse_args()))
 
 
