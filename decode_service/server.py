@@ -15,6 +15,7 @@ from decode_service import convert
 from decode_service.engine import DecodeEngine
 from decode_service.kv_pull import KVPuller
 from nxdi_common.serving import types as t
+from nxdi_common.serving.handoff import LoopHandoff
 from nxdi_common.serving.structured import compile_constraint
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,14 @@ class DecodeServicer(convert.DecodeServicerBase):
         self.metrics = metrics
         self.grammars = grammars  # structured.GrammarCompiler (None: structured output refused)
         self.address = ""
+        self._loop_handoff: LoopHandoff | None = None
+
+    def _handoff(self) -> LoopHandoff:
+        """The running loop's handoff (one for all streams: a step's events, one wake-up)."""
+        loop = asyncio.get_running_loop()
+        if self._loop_handoff is None or self._loop_handoff.loop is not loop:
+            self._loop_handoff = LoopHandoff(loop)
+        return self._loop_handoff
 
     async def _admit(self, request, emit):
         try:
@@ -46,9 +55,8 @@ class DecodeServicer(convert.DecodeServicerBase):
             raise
 
     async def Generate(self, request, context):
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        seq = await self._admit(request, lambda item: loop.call_soon_threadsafe(
-            events.put_nowait, item))
+        handoff, events = self._handoff(), asyncio.Queue()
+        seq = await self._admit(request, lambda item: handoff.post(events.put_nowait, item))
         task, outcome = None, "cancelled"
         try:
             task = self._start_prefill(seq, events)
