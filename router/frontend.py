@@ -19,6 +19,8 @@ from nxdi_common.serving.errors import InvalidRequest, ModelNotFound
 from nxdi_common.serving.structured import GrammarCompiler
 from nxdi_common.serving.types import (ModelLimits, SamplingOptions, StopOptions, check_prompt,
                                        check_sampling, resolve_max_tokens)
+from router.tools import ToolCall, ToolRequest, render_fallback, render_native, \
+    template_renders_tools
 
 log = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -26,10 +28,13 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 @dataclass(frozen=True)
 class ChatTurn:
-    """One chat message (role and text) before the chat template is applied."""
+    """One chat message (role and text) before the chat template is applied; an assistant
+    message may carry the tool calls it made, a tool message the id of the call it answers."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class ModelFrontend:
         self.tokenizer = tokenizer
         self.limits = limits
         self.created = int(time.time()) if created is None else created
+        self.native_tools = template_renders_tools(tokenizer)  # else router/tools.py's prompt
         eos = getattr(tokenizer, "eos_token_id", None)
         self.grammars = GrammarCompiler(lambda: self.tokenizer, limits.vocab_size,
                                         [] if eos is None else [eos])
@@ -88,8 +94,11 @@ class ModelFrontend:
         """Token ids of a raw prompt (the tokenizer's own special tokens added, no template)."""
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def encode_chat(self, turns: list[ChatTurn], field_name: str = "messages") -> list[int]:
-        """Apply the model's chat template (with the assistant generation prompt), tokenize."""
+    def encode_chat(self, turns: list[ChatTurn], field_name: str = "messages",
+                    tools: ToolRequest | None = None) -> list[int]:
+        """Apply the model's chat template (with the assistant generation prompt), tokenize;
+        with ``tools`` (and in any case for earlier tool calls and results) as router/tools.py
+        says: through the template where it renders tools, else written into the messages."""
         if not turns:
             raise InvalidRequest(field_name, "must contain at least one message")
         for i, turn in enumerate(turns):
@@ -98,9 +107,16 @@ class ModelFrontend:
                                      f"must be one of {list(CHAT_ROLES)}, got {turn.role!r}")
         messages = [{"role": "system" if t.role == "developer" else t.role, "content": t.content}
                     for t in turns]
+        extra = {}
+        if self.native_tools:
+            messages = render_native(messages, turns)
+            if tools is not None and tools.in_prompt:
+                extra["tools"] = [t.as_openai() for t in tools.tools]
+        else:
+            messages = render_fallback(messages, turns, tools)
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True, **extra)
         except Exception as exc:  # noqa: BLE001 - a template refusing the conversation
             raise InvalidRequest(field_name, f"the chat template refused it: {exc}") from exc
         return list(self.tokenizer.encode(text, add_special_tokens=False))

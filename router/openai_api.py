@@ -33,8 +33,8 @@ from nxdi_common.serving.errors import InvalidRequest, ServingError
 from router import openai_format as fmt
 from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend, RoutedRequest
-from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed, choices,
-                                  completions_to_routed, structured_field)
+from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed, chat_tools,
+                                  choices, completions_to_routed, structured_field)
 
 log = logging.getLogger(__name__)
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
@@ -191,7 +191,8 @@ async def _sse(firsts: list, streams: list, formatter: fmt.Formatter):
             elif isinstance(item, ServingError):
                 raise item
             else:
-                yield fmt.sse(formatter.token_chunk(item, index))
+                for chunk in formatter.token_chunks(item, index):
+                    yield fmt.sse(chunk)
         for chunk in formatter.end_chunks():
             yield fmt.sse(chunk)
     except ServingError as exc:
@@ -263,9 +264,10 @@ def _add_generation_routes(app: FastAPI, frontend: ModelFrontend, dispatcher: Di
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         started = time.monotonic()
-        routed = chat_to_routed(body, frontend)
+        tools = chat_tools(body)
+        routed = chat_to_routed(body, frontend, tools=tools)
         await frontend.check_structured(routed.sampling, structured_field(body))
-        formatter = fmt.ChatFormatter(frontend, routed, body, choices(body))
+        formatter = fmt.ChatFormatter(frontend, routed, body, choices(body), tools=tools)
         return await _respond(request, dispatcher, formatter, bool(body.stream), started)
 
 

@@ -11,6 +11,7 @@ from nxdi_common.serving import types as t
 from nxdi_common.serving.types import TokenOutput
 from router.dispatch import WorkerError
 from router.frontend import ModelFrontend, RoutedRequest
+from router.tools import CallParser, Content, ToolRequest, split_output
 
 SSE_DONE = "data: [DONE]\n\n"
 FINISH_REASONS = {t.LENGTH: "length", t.EOS_TOKEN: "stop", t.STOP_TOKEN: "stop",
@@ -91,6 +92,10 @@ class Formatter:
         self._outs[index].append(out)
         return self._chunk([self._delta_choice(out, index)])
 
+    def token_chunks(self, out: TokenOutput, index: int = 0) -> list[dict]:
+        """The chunks one token's event makes (one, unless a subclass holds text back)."""
+        return [self.token_chunk(out, index)]
+
     def end_chunks(self) -> list[dict]:
         """The usage chunk (choices empty) when stream_options.include_usage was set."""
         if not self.include_usage:
@@ -158,6 +163,16 @@ class ChatFormatter(Formatter):
     prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", \
         "chat.completion.chunk"
 
+    def __init__(self, frontend, routed, body, n: int = 1, prompts=None,
+                 tools: ToolRequest | None = None):
+        super().__init__(frontend, routed, body, n, prompts)
+        self.tools = tools if tools is not None and tools.parses_calls else None
+        if self.tools is not None:
+            first_only = not self.tools.parallel
+            self._parsers = [CallParser(self.tools.names(), first_only) for _ in range(self.n)]
+            self._blank = [""] * self.n  # trailing whitespace held: dropped if calls end it
+            self._calls = [0] * self.n  # calls sent, each choice's
+
     def _entry(self, token_id: int, logprob: float | None, text: str = "") -> dict:
         token = self._token_text(token_id, text)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
@@ -183,6 +198,51 @@ class ChatFormatter(Formatter):
                 "finish_reason": finish_reason(out.finish_reason)}
 
     def _full_choice(self, outs: list[TokenOutput], index: int) -> dict:
-        message = {"role": "assistant", "content": "".join(o.text for o in outs)}
+        text = "".join(o.text for o in outs)
+        message = {"role": "assistant", "content": text}
+        reason = finish_reason(outs[-1].finish_reason if outs else None)
+        if self.tools is not None:
+            message["content"], calls = split_output(text, self.tools.names(),
+                                                     not self.tools.parallel)
+            if calls:
+                message["tool_calls"] = [c.as_openai() for c in calls]
+                reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "message": message, "logprobs": self._logprobs(outs),
-                "finish_reason": finish_reason(outs[-1].finish_reason if outs else None)}
+                "finish_reason": reason}
+
+    def token_chunks(self, out: TokenOutput, index: int = 0) -> list[dict]:
+        """With tools: the content and calls this token settles, one chunk each (router/tools.py;
+        whitespace waits for text to follow it); the token's logprobs ride on the
+        first, the finish reason on the last (an empty delta when nothing else is due)."""
+        if self.tools is None:
+            return [self.token_chunk(out, index)]
+        self._outs[index].append(out)
+        parser = self._parsers[index]
+        pieces = parser.feed(out.text)
+        if out.finish_reason is not None:
+            pieces += parser.finish()
+        deltas = []
+        for piece in pieces:
+            if isinstance(piece, Content):
+                text = self._blank[index] + piece.text
+                body = text.rstrip()
+                self._blank[index] = text[len(body):]
+                if body:
+                    deltas.append({"content": body})
+            else:
+                deltas.append({"tool_calls": [piece.as_openai(self._calls[index])]})
+                self._calls[index] += 1
+        reason = finish_reason(out.finish_reason)
+        if reason is not None and self._blank[index] and not parser.calls:
+            deltas.append({"content": self._blank[index]})
+        if not deltas and (reason is not None or self.logprobs):
+            deltas.append({})
+        chunks = []
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            chunks.append(self._chunk([{
+                "index": index, "delta": delta,
+                "logprobs": self._logprobs([out]) if i == 0 else None,
+                "finish_reason": ("tool_calls" if parser.calls and reason == "stop" else reason)
+                if last else None}]))
+        return chunks

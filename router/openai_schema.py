@@ -3,12 +3,14 @@ a :class:`~router.frontend.RoutedRequest`.
 
 Parsing is pydantic (strict types: ``"5"`` is not a number); every refusal becomes an
 ``InvalidRequest`` naming the parameter as the client spelled it. Parameters OpenAI defines but
-this server does not implement (``best_of``, ``echo``, ``suffix``, tools, ...) are refused by
-name unless they carry their no-op default; unknown parameters are refused too, as OpenAI does.
+this server does not implement (``best_of``, ``echo``, ``suffix``, the deprecated ``functions``,
+...) are refused by name unless they carry their no-op default; unknown parameters are refused
+too, as OpenAI does. ``tools`` / ``tool_choice``: router/tools.py.
 ``n`` choices (at most MAX_CHOICES) are ``n`` requests the gateway sends and merges
 (router/openai_api.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from nxdi_common.serving.errors import InvalidRequest
 from nxdi_common.serving.types import SamplingOptions, StopOptions, StructuredOutput
 from router.frontend import ChatTurn, ModelFrontend, RoutedRequest
+from router.tools import ToolRequest, message_tool_calls, parse_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions: logprobs is an integer in [0, 5]
@@ -25,8 +28,7 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request
 # Parameter -> the values it may carry here (null is always allowed): anything else is refused.
 NO_OP_VALUES: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "functions": ([],), "function_call": ("none",),
     "modalities": (["text"],), "audio": (),
     "prediction": (), "web_search_options": (), "reasoning_effort": (),
 }
@@ -121,11 +123,14 @@ def _one_prompt(value) -> bool:
 
 
 class ChatMessageIn(_Strict):
-    """One message; content is a string or a list of {"type": "text", "text": ...} parts."""
+    """One message; content is a string or a list of {"type": "text", "text": ...} parts; an
+    assistant message may carry its tool_calls, a tool message the tool_call_id it answers."""
 
     role: str
     content: Any = None
     name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -146,7 +151,9 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    parallel_tool_calls: bool | None = None  # accepted and ignored (tools are refused)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 # --- checks ------------------------------------------------------------------------------------
@@ -205,7 +212,9 @@ def _logit_bias(value: dict[str, float] | None) -> tuple[tuple[int, float], ...]
 
 def structured_field(body: _Common) -> str:
     """The parameter a request's structured output came from (for error messages)."""
-    return "structured_outputs" if body.structured_outputs is not None else "response_format"
+    if body.structured_outputs is not None:
+        return "structured_outputs"
+    return "response_format" if body.response_format is not None else "tools"
 
 
 def structured_output(body: _Common) -> StructuredOutput | None:
@@ -319,14 +328,46 @@ def completion_to_routed(body: CompletionRequest, frontend: ModelFrontend,
     return frontend.prepare(ids, sampling, stop, field, request_id)
 
 
-def chat_to_routed(body: ChatRequest, frontend: ModelFrontend,
-                   request_id: str = "") -> RoutedRequest:
-    """Validate a chat request, apply the chat template and tokenize."""
+def chat_tools(body: ChatRequest) -> ToolRequest | None:
+    """The request's tools and tool choice (router/tools.py), checked; None without tools."""
+    tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if tools is not None and tools.mode != "none" and (
+            body.response_format is not None or body.structured_outputs is not None):
+        what = structured_field(body)
+        if not (what == "response_format" and body.response_format.get("type") == "text"):
+            raise InvalidRequest(what, "cannot be combined with tools unless tool_choice is "
+                                       "'none' (a tool call is not the format asked for)")
+    return tools
+
+
+def chat_turns(body: ChatRequest) -> list[ChatTurn]:
+    """The messages as chat turns; tool_calls and tool_call_id checked."""
+    turns = []
+    for i, m in enumerate(body.messages):
+        calls = ()
+        if m.tool_calls is not None:
+            if m.role != "assistant":
+                raise InvalidRequest(f"messages[{i}].tool_calls", "only an assistant message "
+                                                                  "carries tool_calls")
+            calls = message_tool_calls(m.tool_calls, f"messages[{i}].tool_calls")
+        if m.role == "tool" and not m.tool_call_id:
+            raise InvalidRequest(f"messages[{i}].tool_call_id", "a tool message needs the id "
+                                                                "of the call it answers")
+        turns.append(ChatTurn(m.role, m.content, calls, m.tool_call_id or ""))
+    return turns
+
+
+def chat_to_routed(body: ChatRequest, frontend: ModelFrontend, request_id: str = "",
+                   tools: ToolRequest | None = None) -> RoutedRequest:
+    """Validate a chat request, apply the chat template and tokenize (``tools``: chat_tools'
+    answer for it)."""
     check_extras(body, CHAT_EXTRAS)
     choices(body)
     frontend.check_model(body.model)
     _check_stream_options(body)
     sampling = _sampling(body, bool(body.logprobs), body.top_logprobs or 0)
+    if tools is not None and tools.constraint() is not None:
+        sampling = dataclasses.replace(sampling, structured=tools.constraint())
     field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     max_tokens = body.max_tokens if body.max_completion_tokens is None \
         else body.max_completion_tokens
@@ -334,8 +375,7 @@ def chat_to_routed(body: ChatRequest, frontend: ModelFrontend,
         stop = _stop_options(body, max_tokens)
         sampling.validate()
         stop.validate()
-        turns = [ChatTurn(m.role, m.content) for m in body.messages]
-        ids = frontend.encode_chat(turns, "messages")
+        ids = frontend.encode_chat(chat_turns(body), "messages", tools)
         return frontend.prepare(ids, sampling, stop, "messages", request_id)
     except InvalidRequest as exc:
         if exc.field == "max_tokens" and field != exc.field:

@@ -8,14 +8,14 @@ import httpx
 import pytest
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]
-MAX_LEN = 256
+MAX_LEN = 1024
 
 
 @pytest.fixture(scope="module")
 def http(spawn_module, tiny_chat_model):
     common = ("--model", tiny_chat_model, "--dtype", "float32", "--backend", "eager",
               "--threads", "1", "--max-model-len", MAX_LEN)
-    decode = spawn_module("decode_service", *common, "--kv-blocks", 64)
+    decode = spawn_module("decode_service", *common, "--kv-blocks", 512)
     prefill = spawn_module("prefill_service", *common)
     return spawn_module("router", "--model", tiny_chat_model, "--max-model-len", MAX_LEN,
                         "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
@@ -165,3 +165,105 @@ def test_structured_outputs_choice_and_regex_in_completions_and_streams(http):
     assert bad.status_code == 400, bad.text
     assert bad.json()["error"]["param"] == "structured_outputs"
     assert "does not compile" in bad.json()["error"]["message"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}},
+    "required": ["a"], "additionalProperties": False}}}
+
+
+def chat(http, **body):
+    r = httpx.post(f"http://{http}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "weather?"}],
+        "max_tokens": 200, **body})
+    return r
+
+
+def check_call(call):
+    """A call of one of the tools, its arguments valid for that tool's schema."""
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    args = json.loads(call["function"]["arguments"])
+    if call["function"]["name"] == "get_weather":
+        assert set(args) == {"city", "days"} and args["city"] in ("Paris", "Rome")
+        assert isinstance(args["days"], int) and 1 <= args["days"] <= 14
+    else:
+        assert call["function"]["name"] == "add" and set(args) == {"a"}
+        assert isinstance(args["a"], int)
+    return call["function"]["name"], args
+
+
+def test_named_and_required_tool_choice_answer_with_valid_calls(http):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        r = chat(http, tools=[ADD, WEATHER], tool_choice=named, seed=seed)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert choice["message"]["content"] is None
+        (call,) = choice["message"]["tool_calls"]
+        assert check_call(call)[0] == "get_weather"
+    r = chat(http, tools=[ADD, WEATHER], tool_choice="required", parallel_tool_calls=False,
+             n=4, seed=1)
+    assert r.status_code == 200, r.text
+    names = set()
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]  # exactly one: parallel_tool_calls false
+        names.add(check_call(call)[0])
+    assert names <= {"add", "get_weather"}
+
+
+def test_a_streamed_tool_call_is_the_non_streamed_one(http):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "weather?"}],
+            "max_tokens": 200, "tools": [WEATHER], "tool_choice": named, "temperature": 0}
+    full = chat(http, **body).json()["choices"][0]
+    calls, reasons = [], []
+    with httpx.stream("POST", f"http://{http}/v1/chat/completions", timeout=60,
+                      json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                calls += choice["delta"].get("tool_calls", [])
+                reasons.append(choice["finish_reason"])
+    assert [c["index"] for c in calls] == [0], (full, reasons)
+    assert calls[0]["function"] == full["message"]["tool_calls"][0]["function"]
+    assert [r for r in reasons if r] == ["tool_calls"]
+
+
+def test_auto_tools_and_tool_history_reach_the_prompt(http, tiny_chat_model):
+    """tool_choice auto: the prompt carries the tools (and earlier calls and results); the tiny
+    model's answer comes back as text (no call in it)."""
+    from nxdi_common.serving.worker import ModelOptions
+    from router.frontend import ModelFrontend
+    from router.openai_schema import ChatRequest, chat_tools, chat_turns
+    frontend = ModelFrontend.from_options(ModelOptions(model=str(tiny_chat_model),
+                                                       max_model_len=MAX_LEN))
+    messages = [{"role": "user", "content": "weather in Rome?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_7", "type": "function", "function": {
+                        "name": "get_weather", "arguments": '{"city": "Rome", "days": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_7", "content": "sunny"}]
+    for extra in ({}, {"tool_choice": "none"}):
+        body = {"messages": messages, "tools": [WEATHER], "max_tokens": 8, **extra}
+        r = chat(http, **body)
+        assert r.status_code == 200, r.text
+        expected = frontend.encode_chat(chat_turns(ChatRequest.model_validate(body)),
+                                        tools=chat_tools(ChatRequest.model_validate(body)))
+        assert r.json()["usage"]["prompt_tokens"] == len(expected)
+        message = r.json()["choices"][0]["message"]
+        assert isinstance(message["content"], str) and "tool_calls" not in message
+    with_tools = chat(http, messages=messages, tools=[WEATHER], max_tokens=1).json()
+    without = chat(http, messages=messages, tools=[WEATHER], tool_choice="none",
+                   max_tokens=1).json()
+    assert with_tools["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"] + 40
+    bad = chat(http, tools=[WEATHER], tool_choice={"type": "function",
+                                                    "function": {"name": "get_time"}})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "tool_choice.function.name"

@@ -21,7 +21,7 @@ from protos.nxdi.serving.v1 import serving_pb2 as pb
 from router.dispatch import Dispatcher, WorkerError, compatible_prefills
 from router.frontend import ModelFrontend, RoutedRequest
 from router.openai_format import ChatFormatter, CompletionFormatter, finish_reason
-from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed,
+from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed, chat_tools,
                                   completion_to_routed, completions_to_routed, structured_field)
 from router.policies import (DECODE, PREFILL, LeastLoaded, LocalPrefillRule, PrefixAffinity,
                              RoundRobin, WorkerLoad, WorkerState, affinity_key, make_policy,
@@ -444,6 +444,7 @@ def test_completion_validation_errors_name_the_field(frontend, body, field, mess
     assert message in str(info.value)
 
 
+FN = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
 CHAT_ERRORS = [
     ({"messages": []}, "messages", "must contain at least one message"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "got 'robot'"),
@@ -454,8 +455,29 @@ CHAT_ERRORS = [
     ({"max_completion_tokens": 1000}, "max_completion_tokens", "exceeds the maximum context"),
     ({"top_logprobs": 2}, "top_logprobs", "requires logprobs to be true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20]"),
-    ({"tools": [{"type": "function"}]}, "tools", "is not supported"),
-    ({"tool_choice": "auto"}, "tool_choice", "is not supported"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function", "must be an object with a 'name'"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "must be 'function'"),
+    ({"tools": {"type": "function"}}, "tools", "must be a list"),
+    ({"tools": [FN, {"type": "function", "function": {"name": "bad name"}}]},
+     "tools[1].function.name", "must be 1-64 characters"),
+    ({"tools": [FN, FN]}, "tools[1].function.name", "is given twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+     "tools[0].function.parameters", "must be a JSON Schema object"),
+    ({"tools": [FN], "tool_choice": "sometimes"}, "tool_choice", "must be one of"),
+    ({"tools": [FN], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice.function.name", "'g' is not one of the tools: ['lookup']"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"tools": [FN], "response_format": {"type": "json_object"}}, "response_format",
+     "cannot be combined with tools"),
+    ({"tools": [FN], "tool_choice": {"type": "function"}}, "tool_choice",
+     "a named tool choice is"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "messages[0].tool_calls", "only an assistant message"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
+     "messages[0].tool_calls[0]", "must be {"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]},
+     "messages[1].tool_call_id", "needs the id of the call"),
+    ({"functions": [FN["function"]]}, "functions", "is not supported"),
     ({"response_format": {"type": "json_schema", "json_schema": []}},
      "response_format.json_schema", "must be an object"),
     ({"n": 0}, "n", "must be an integer in [1, 16], got 0"),
@@ -465,9 +487,9 @@ CHAT_ERRORS = [
 
 @pytest.mark.parametrize("extra,field,message", CHAT_ERRORS)
 def test_chat_validation_errors_name_the_field(frontend, extra, field, message):
-    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
     with pytest.raises(InvalidRequest) as info:
-        chat_to_routed(ChatRequest.model_validate(body), frontend)
+        chat_to_routed(body, frontend, tools=chat_tools(body))
     assert info.value.field == field
     assert message in str(info.value)
 
