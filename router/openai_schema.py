@@ -366,8 +366,9 @@ def chat_to_routed(body: ChatRequest, frontend: ModelFrontend, request_id: str =
     frontend.check_model(body.model)
     _check_stream_options(body)
     sampling = _sampling(body, bool(body.logprobs), body.top_logprobs or 0)
-    if tools is not None and tools.constraint() is not None:
-        sampling = dataclasses.replace(sampling, structured=tools.constraint())
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is not None:
+        sampling = dataclasses.replace(sampling, structured=constraint)
     field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     max_tokens = body.max_tokens if body.max_completion_tokens is None \
         else body.max_completion_tokens

@@ -17,7 +17,9 @@ format most open chat models were tuned on)::
 - ``tool_choice``: ``"none"`` leaves the tools out of the prompt and never parses calls (as
   vLLM's ``--exclude-tools-when-tool-choice-none``). ``"auto"`` (the default when tools are given)
   generates freely and parses the calls out of the text; a call that is not valid JSON or names
-  no known tool stays in ``content``. ``"required"`` and a named function hold the output to one
+  no known tool stays in ``content``. When a tool says ``"strict": true``, ``"auto"`` text stays
+  free but whatever follows a ``<tool_call>`` tag is held to a call of one of the tools (with
+  arguments valid for a strict tool's schema), as vLLM does. ``"required"`` and a named function hold the output to one
   or more calls (one, for a named function or ``parallel_tool_calls: false``) with a Lark grammar
   (llguidance, nxdi_common/serving/structured.py): the function's name is fixed or one of the
   tools', its arguments valid JSON of the function's ``parameters`` schema; nothing may come
@@ -54,6 +56,7 @@ class Tool:
     name: str
     description: str = ""
     parameters: str = '{"type": "object"}'  # its JSON Schema, as JSON text
+    strict: bool = False  # hold "auto" calls of it to its schema too
 
     def as_openai(self) -> dict:
         """The tool as Hugging Face chat templates and the fallback prompt show it."""
@@ -99,7 +102,10 @@ class ToolRequest:
         return {t.name for t in self.tools}
 
     def constraint(self) -> StructuredOutput | None:
-        """The Lark grammar that holds a "required" or named answer to calls (None otherwise)."""
+        """The Lark grammar that holds a "required" or named answer to calls, or an "auto"
+        answer's calls when a tool is strict (None otherwise)."""
+        if self.mode == "auto" and any(t.strict for t in self.tools):
+            return self._strict_auto()
         if self.mode not in ("required", "named"):
             return None
         tools = [t for t in self.tools if self.mode == "required" or t.name == self.name]
@@ -108,11 +114,24 @@ class ToolRequest:
                  "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
         tail = json.dumps("}\n" + CALL_CLOSE)
         for i, tool in enumerate(tools):
-            schema = json.loads(tool.parameters)
-            schema.setdefault("x-guidance", JSON_DEFAULTS)  # bounded whitespace, as response_format
+            # bounded JSON whitespace as response_format's (a schema's own x-guidance wins)
+            schema = {"x-guidance": JSON_DEFAULTS, **json.loads(tool.parameters)}
             head = json.dumps(f'{CALL_OPEN}\n{{"name": {json.dumps(tool.name)}, "arguments": ')
             lines += [f"call_{i}: {head} args_{i} {tail}", f"args_{i}: %json {json.dumps(schema)}"]
         return StructuredOutput("lark_grammar", "\n".join(lines) + "\n")
+
+    def _strict_auto(self) -> StructuredOutput:
+        """Free text, but what follows a ``<tool_call>`` tag is a call of one of the tools with
+        arguments valid for its schema (a strict tool's; any object for the others):
+        llguidance's structural tags (a lazy trigger, then the call's grammar)."""
+        from llguidance import StructTag
+        tags = [StructTag(trigger=CALL_OPEN, begin=f'{CALL_OPEN}\n{{"name": {json.dumps(t.name)}, '
+                                                   f'"arguments": ',
+                          grammar={"x-guidance": JSON_DEFAULTS,
+                                   **(json.loads(t.parameters) if t.strict else {"type": "object"})},
+                          end=f"}}\n{CALL_CLOSE}")
+                for t in self.tools]
+        return StructuredOutput("lark_grammar", StructTag.to_grammar(tags, assume_special=False))
 
 
 def new_call_id() -> str:
@@ -170,7 +189,7 @@ def _tool(spec, where: str) -> Tool:
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise InvalidRequest(f"{where}.function.strict", "must be true or false")
-    return Tool(name, description, json.dumps(params))
+    return Tool(name, description, json.dumps(params), bool(strict))
 
 
 def _choice(choice, names: set[str]) -> tuple[str, str]:

@@ -148,6 +148,16 @@ def test_one_call_then_only_the_end(grammars, tokenizer):
     assert not _feeds(grammars, tokenizer, named, CALL_W)
 
 
+def test_auto_with_a_strict_tool_leaves_text_free_and_holds_the_calls(grammars, tokenizer):
+    strict = {**ADD, "function": {**ADD["function"], "strict": True}}
+    tools = parse_tools([WEATHER, strict], "auto", None)
+    assert _feeds(grammars, tokenizer, tools, "Any text at all, <b>even tags</b>.")
+    assert _feeds(grammars, tokenizer, tools, f"Let me add. {CALL_A}\n{CALL_W} Done.")
+    assert not _feeds(grammars, tokenizer, tools, CALL_A.replace("1", '"1"'))  # strict: schema
+    assert _feeds(grammars, tokenizer, tools, CALL_W.replace('"c"', '"k"'))  # not strict
+    assert not _feeds(grammars, tokenizer, tools, CALL_A.replace('"add"', '"sub"'))
+
+
 def test_auto_and_none_hold_nothing():
     assert parse_tools([WEATHER], "auto", None).constraint() is None
     assert parse_tools([WEATHER], None, None).mode == "auto"
@@ -216,6 +226,12 @@ def test_the_request_carries_the_grammar_and_refuses_a_schema_that_does_not_comp
     routed = chat_to_routed(body, frontend, tools=chat_tools(body))
     assert routed.sampling.structured.kind == "lark_grammar"
     assert '"name\\": \\"get_weather\\"' in routed.sampling.structured.spec
+    for tool, held in ((WEATHER, False), ({**WEATHER, "function": {**WEATHER["function"],
+                                                                    "strict": True}}, True)):
+        body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                           "tools": [tool]})
+        routed = chat_to_routed(body, frontend, tools=chat_tools(body))
+        assert (routed.sampling.structured is not None) == held
     bad = {**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": "integer",
                                                                           "minimum": "x"}}}
     body = ChatRequest.model_validate({
