@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -53,6 +54,8 @@ def _target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory (default: the bundled model)")
     p.add_argument("--extra-body", default='{"ignore_eos": true}', metavar="JSON",
                    help="extra JSON fields for every request")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     p.add_argument("--no-stream-usage", action="store_true",
                    help="do not ask for usage in the stream (servers that refuse stream_options)")
 
@@ -184,12 +187,13 @@ def _tokenizer(path: str | None):
 
 def _target(args) -> LoadTarget:
     from nxdi_bench.configs import served_model_id
-    model = args.model or served_model_id(args.url.rstrip("/"))
+    model = args.model or served_model_id(args.url.rstrip("/"), args.api_key)
     try:
         extra = json.loads(args.extra_body)
     except json.JSONDecodeError as exc:
         raise SystemExit(f"nxdi-bench: --extra-body is not JSON: {exc}") from None
-    return LoadTarget(args.url, model, extra, usage_in_stream=not args.no_stream_usage)
+    return LoadTarget(args.url, model, extra, usage_in_stream=not args.no_stream_usage,
+                      api_key=args.api_key)
 
 
 def _sweep_settings(args) -> SweepSettings:

@@ -22,8 +22,9 @@ class LoadTarget:
     server needs so outputs have exactly the requested length (``ignore_eos`` for ours and vLLM)."""
 
     def __init__(self, base_url: str, model: str, extra_body: dict | None = None,
-                 usage_in_stream: bool = True, timeout_s: float = 600.0):
+                 usage_in_stream: bool = True, timeout_s: float = 600.0, api_key: str = ""):
         self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self.extra_body = dict(extra_body or {})
         self.usage_in_stream = usage_in_stream
@@ -121,6 +122,7 @@ def _new_record(req: BenchRequest, due: float) -> RequestRecord:
 
 def _client(target: LoadTarget) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(target.timeout_s, connect=30.0),
+                             headers=target.headers,
                              limits=httpx.Limits(max_connections=None,
                                                  max_keepalive_connections=64))
 

@@ -90,9 +90,11 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
     raise ValueError(f"configuration: {name!r} is not one of ours (disaggregated, aggregated)")
 
 
-def served_model_id(base_url: str) -> str:
+def served_model_id(base_url: str, api_key: str = "") -> str:
     """The first model id a server lists at /v1/models."""
-    reply = httpx.get(base_url + "/v1/models", timeout=30.0).raise_for_status().json()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    reply = httpx.get(base_url + "/v1/models", timeout=30.0,
+                      headers=headers).raise_for_status().json()
     return reply["data"][0]["id"]
 
 

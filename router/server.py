@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
@@ -24,6 +24,7 @@ from nxdi_common.serving.metrics import ServingMetrics
 from nxdi_common.serving.worker import add_model_args, model_options_from_args
 from router import convert
 from router.admission import AdmissionQueue
+from router.auth import ApiKeys, GrpcAuth, HttpAuth, keys_from
 from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend
 from router.grpc_service import RouterServicer
@@ -55,6 +56,7 @@ class RouterSettings:
     local_prefill_always_tokens: int = 0
     queue_timeout_seconds: float = 60.0  # router/admission.py; 0: shed at once
     max_queued_requests: int = 1024
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # router/auth.py; () = open
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -131,12 +133,19 @@ class RunningRouter:
                                 metrics or ServingMetrics("router"),
                                 settings.request_timeout_seconds, settings.local_prefill,
                                 settings.admission)
+        keys = ApiKeys(settings.api_keys)
         grpc_server = GrpcServer([(convert.add_router_servicer,
                                    RouterServicer(frontend, dispatcher), convert.ROUTER_SERVICE)],
-                                 MAX_MESSAGE_BYTES)
+                                 MAX_MESSAGE_BYTES,
+                                 [GrpcAuth(keys, convert.ROUTER_SERVICE)] if keys.enabled else [])
+        app = create_app(frontend, dispatcher)
+        if keys.enabled:
+            app.add_middleware(HttpAuth, keys=keys)
+            log.info("API keys: %d accepted; required on /v1/ and the Router service",
+                     len(settings.api_keys))
         try:
             await grpc_server.start(settings.host, settings.grpc_port)
-            http, task, port = await _start_http(create_app(frontend, dispatcher), settings)
+            http, task, port = await _start_http(app, settings)
         except BaseException:
             await grpc_server.stop(0)
             await registry.close()
@@ -187,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50050, help="gRPC Router port (0: any)")
     add_model_args(p)
     p.add_argument("--model-name", help="model id clients use (default: the model dir name)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/ and the gRPC Router service "
+                        "(repeatable; also the NXDI_API_KEY environment variable, "
+                        "comma-separated, which keeps keys out of the process list)")
     g = p.add_argument_group("workers")
     g.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                    help="a prefill worker (repeatable)")
@@ -232,7 +245,8 @@ def settings_from_args(args) -> RouterSettings:
                           args.policy, args.refresh_seconds, args.request_timeout_seconds,
                           args.shutdown_grace_seconds, args.local_prefill_max_tokens,
                           args.local_prefill_queue_tokens, args.local_prefill_always_tokens,
-                          args.queue_timeout_seconds, args.max_queued_requests)
+                          args.queue_timeout_seconds, args.max_queued_requests,
+                          keys_from(args.api_key))
 
 
 async def serve(args) -> None:

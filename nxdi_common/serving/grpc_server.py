@@ -171,12 +171,14 @@ class GrpcServer:
     ``(serving_pb2_grpc.add_DecodeServicer_to_server, servicer, "nxdi.serving.v1.Decode")``.
     Create and use it inside the running event loop."""
 
-    def __init__(self, servicers: Sequence[ServicerSpec], max_message_bytes: int):
+    def __init__(self, servicers: Sequence[ServicerSpec], max_message_bytes: int,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
+        """``interceptors`` run before the StatusInterceptor (e.g. the router's API keys)."""
         self.service_names = [name for _, _, name in servicers]
         for name in self.service_names:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"servicers: every service needs a full name, got {name!r}")
-        self.server = grpc.aio.server(interceptors=[StatusInterceptor()],
+        self.server = grpc.aio.server(interceptors=[*interceptors, StatusInterceptor()],
                                       options=server_options(max_message_bytes))
         for add_fn, servicer, _ in servicers:
             add_fn(servicer, self.server)

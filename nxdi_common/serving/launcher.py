@@ -348,10 +348,13 @@ def endpoints_text(cluster: Cluster) -> str:
 
 
 def chat_check(http_url: str, prompt: str, max_tokens: int, timeout: float = 600.0) -> str:
-    """Send one chat completion to the router's OpenAI API; returns the answer text."""
+    """Send one chat completion to the router's OpenAI API; returns the answer text. With
+    NXDI_API_KEY set (which the router started here reads too), its first key is sent."""
     import httpx
+    key = os.environ.get("NXDI_API_KEY", "").split(",")[0].strip()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with httpx.Client(base_url=http_url, timeout=timeout) as client:
+        with httpx.Client(base_url=http_url, timeout=timeout, headers=headers) as client:
             model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
             body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
                     "messages": [{"role": "user", "content": prompt}]}
