@@ -534,7 +534,8 @@ class DecodeEngine:
             sampling, logits = seq.job.sampling, None
             try:
                 if resample_on_host(sampling, len(seq.generated)):
-                    logits = host_logits(out.logits[i], seq.generated, sampling, seq.constraint)
+                    logits = host_logits(out.logits[i], seq.generated, sampling, seq.constraint,
+                                         seq.job.prompt_ids)
                     token = sample_row(logits, sampling, seq.last_uniform, self.global_topk)
                 logprob, top = (token_logprobs(out.logits[i] if logits is None else logits,
                                                token, sampling, self.tokenizer)

@@ -48,7 +48,8 @@ class StreamOptions(_Strict):
 
 
 class _Common(_Strict):
-    """Parameters both endpoints take (top_k, stop_token_ids and ignore_eos are extensions)."""
+    """Parameters both endpoints take (top_k, min_p, repetition_penalty, stop_token_ids and
+    ignore_eos are vLLM's extensions)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -58,6 +59,8 @@ class _Common(_Strict):
     frequency_penalty: float | None = None
     n: int | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: Any = None
     stop_token_ids: list[int] | None = None
@@ -196,7 +199,9 @@ def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> SamplingOptio
         top_logprobs=top_logprobs,
         presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
         frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
-        logit_bias=_logit_bias(body.logit_bias), structured=structured_output(body))
+        logit_bias=_logit_bias(body.logit_bias), structured=structured_output(body),
+        min_p=0.0 if body.min_p is None else body.min_p,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty)
 
 
 def _logit_bias(value: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -267,3 +267,28 @@ def test_auto_tools_and_tool_history_reach_the_prompt(http, tiny_chat_model):
                                                     "function": {"name": "get_time"}})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "tool_choice.function.name"
+
+
+def test_repetition_penalty_through_the_prefill_worker_is_transformers_generate(
+        http, tiny_chat_model):
+    """Greedy with repetition_penalty over HTTP (the prefill worker samples the first token on
+    the host, the decode worker the rest) gives transformers' generate() tokens."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import hf_reference
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
+    with torch.no_grad():
+        want = hf_reference.load(tiny_chat_model).generate(
+            torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+            min_new_tokens=12, pad_token_id=2)[0, len(PROMPT):].tolist()
+    got = post(http, temperature=0, logprobs=0, repetition_penalty=1.5)
+    assert got["choices"][0]["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in want]
+    plain = post(http, temperature=0, logprobs=0)["choices"][0]["logprobs"]["tokens"]
+    assert plain != got["choices"][0]["logprobs"]["tokens"]
+    # min_p: seeded answers replay, and 1.0 is greedy
+    assert post(http, temperature=1.0, min_p=1.0, seed=3)["choices"][0]["text"] == \
+        post(http, temperature=0)["choices"][0]["text"]
+    bad = httpx.post(f"http://{http}/v1/completions", timeout=60,
+                     json={"model": "tiny", "prompt": "hi", "repetition_penalty": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_penalty"

@@ -111,3 +111,77 @@ def test_seeded_penalized_sampling_replays(engine):
     assert generate(engine, "b", sampling, 16) == first
     assert engine.blocks.num_used_blocks == 0
 
+
+
+# --- repetition penalty and min_p (vLLM's / Hugging Face's) ------------------------------------
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -4.0])
+    s = SamplingOptions(repetition_penalty=2.0)
+    # prompt token 0, generated token 1 twice (counted once), token 4 in both
+    out = penalized_logits(logits, [1, 1, 4], s, prompt=(0, 4))
+    assert out.tolist() == [1.0, -2.0, 0.5, 3.0, -8.0]
+    # with OpenAI's penalties too: repetition first, then the generated tokens lowered
+    both = penalized_logits(logits, [1], SamplingOptions(repetition_penalty=2.0,
+                                                         presence_penalty=1.0), prompt=(0,))
+    assert both.tolist() == [1.0, -3.0, 0.5, 3.0, -4.0]
+
+
+def test_repetition_penalty_is_transformers_processor():
+    from transformers import RepetitionPenaltyLogitsProcessor
+    g = torch.Generator().manual_seed(1)
+    logits, seen = torch.randn(1, 500, generator=g), torch.randint(0, 500, (1, 40), generator=g)
+    want = RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone())[0]
+    got = penalized_logits(logits[0], seen[0, 30:].tolist(), SamplingOptions(
+        repetition_penalty=1.3), prompt=tuple(seen[0, :30].tolist()))
+    torch.testing.assert_close(got, want)
+
+
+def test_min_p_drops_candidates_below_its_share_of_the_most_likely():
+    """Over many uniforms, min_p=0.2 at temperature 1 samples only tokens with probability >=
+    0.2 x the top one's, each in proportion to its probability among them."""
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.09, 0.06]))
+    s = SamplingOptions(temperature=1.0, min_p=0.2)
+    counts = torch.zeros(5)
+    for u in torch.linspace(0.0005, 0.9995, 2000).tolist():
+        counts[sample_row(logits, s, u, 256)] += 1
+    assert counts[3] == 0 and counts[4] == 0  # 0.09 and 0.06 < 0.2 x 0.5
+    kept = torch.tensor([0.5, 0.2, 0.15])
+    torch.testing.assert_close(counts[:3] / 2000, kept / kept.sum(), atol=2e-3, rtol=0)
+    # min_p 0 and greedy are untouched; min_p 1 keeps only the top token
+    assert sample_row(logits, SamplingOptions(temperature=1.0, min_p=1.0), 0.99, 256) == 0
+    plain = SamplingOptions(temperature=1.0)
+    assert {sample_row(logits, plain, 0.999, 256)} == {4}
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("repetition_penalty", 0.0, "(0, 10]"), ("repetition_penalty", 10.5, "(0, 10]"),
+    ("repetition_penalty", float("inf"), "(0, 10]"), ("min_p", -0.1, "[0, 1]"),
+    ("min_p", 1.5, "[0, 1]"), ("min_p", float("nan"), "[0, 1]")])
+def test_repetition_penalty_and_min_p_outside_their_range_are_refused(field, value, message):
+    with pytest.raises(InvalidRequest) as info:
+        SamplingOptions(**{field: value}).validate()
+    assert info.value.field == field and message in str(info.value)
+
+
+def test_repetition_penalty_and_min_p_cross_the_wire():
+    s = SamplingOptions(temperature=0.5, repetition_penalty=1.25, min_p=0.125)
+    assert convert.sampling_from_proto(convert.sampling_to_proto(s)) == s
+    plain = SamplingOptions()
+    msg = convert.sampling_to_proto(plain)
+    assert not msg.HasField("repetition_penalty") and msg.min_p == 0
+    assert convert.sampling_from_proto(msg) == plain
+
+
+def test_repetition_penalty_greedy_tokens_are_transformers_generate(engine, tiny_chat_model):
+    """The decode engine's greedy tokens with a repetition penalty (local prefill: the first
+    token too) are transformers' generate() with its repetition_penalty."""
+    model = hf_reference.load(tiny_chat_model)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False,
+                              repetition_penalty=1.5, min_new_tokens=24,
+                              pad_token_id=2)[0, len(PROMPT):].tolist()
+    got = generate(engine, "rep", SamplingOptions(temperature=0.0, repetition_penalty=1.5), 24)
+    assert got == want
+    assert generate(engine, "plain-rep", SamplingOptions(temperature=0.0), 24) != want

@@ -24,7 +24,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> t.SamplingOptions:
         top_logprobs=msg.top_logprobs, presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
-        structured=structured_from_proto(msg)).validate()
+        structured=structured_from_proto(msg),
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        min_p=msg.min_p).validate()
 
 
 def structured_from_proto(msg: pb.SamplingParams) -> t.StructuredOutput | None:
@@ -43,7 +45,10 @@ def sampling_to_proto(s: t.SamplingOptions) -> pb.SamplingParams:
     msg = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                             logprobs=s.logprobs, top_logprobs=s.top_logprobs,
                             presence_penalty=s.presence_penalty,
-                            frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias))
+                            frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias),
+                            min_p=s.min_p)
+    if s.repetition_penalty != 1.0:
+        msg.repetition_penalty = s.repetition_penalty
     so = s.structured
     if so is not None:
         if so.kind == "choice":

@@ -1,6 +1,6 @@
 """Per-request sampling pieces both workers use: the request's random stream, logprobs, and what
-changes a row's logits on the host (presence / frequency penalties, logit_bias, structured
-output).
+changes a row's logits on the host (presence / frequency / repetition penalties, logit_bias,
+min_p, structured output).
 
 Random stream: draw i of ``request_generator(seed)`` is the sampler's uniform for generated token
 i, whichever worker samples it. The prefill worker takes draw 0 for the first token; a decode worker
@@ -11,9 +11,10 @@ Penalties: the graph samples every row on device (no token history goes in); a d
 a penalized row's logits (the graph returns them beside the tokens), lowers the logits of the
 tokens it has generated (``penalized_logits``) and samples that row again on the host with the
 same sampler and the same uniform (``sample_row``), so a seeded request stays replayable.
-logit_bias and a structured-output constraint (nxdi_common/serving/structured.py) change the
-logits the same way (``host_logits``), the first token's too: a prefill worker samples a
-request's first token on the host when it has either."""
+logit_bias, the repetition penalty (which counts the prompt's tokens too), min_p and a
+structured-output constraint (nxdi_common/serving/structured.py) change the logits or the
+sampler the same way (``host_logits``, ``sample_row``), the first token's too: a prefill worker
+samples a request's first token on the host when it has any of them."""
 from __future__ import annotations
 
 import torch
@@ -34,10 +35,17 @@ def request_generator(seed: int | None) -> torch.Generator:
 
 
 def penalized_logits(logits: torch.Tensor, generated: list[int],
-                     sampling: SamplingOptions) -> torch.Tensor:
-    """OpenAI's penalties on one row's logits [vocab]: each token generated so far loses
-    frequency_penalty x its count + presence_penalty. A new float32 tensor."""
+                     sampling: SamplingOptions, prompt=()) -> torch.Tensor:
+    """The penalties on one row's logits [vocab]: the repetition penalty on every token of the
+    prompt or generated so far (its logit divided by the penalty where positive, multiplied
+    where negative), then OpenAI's: each token generated so far loses frequency_penalty x its
+    count + presence_penalty. A new float32 tensor."""
     out = logits.float().clone()
+    if sampling.repetition_penalty != 1.0 and (prompt or generated):
+        seen = torch.tensor([*prompt, *generated], dtype=torch.long).unique()
+        values = out[seen]
+        out[seen] = torch.where(values > 0, values / sampling.repetition_penalty,
+                                values * sampling.repetition_penalty)
     if generated and sampling.penalized:
         ids, counts = torch.tensor(generated, dtype=torch.long).unique(return_counts=True)
         out[ids] -= sampling.frequency_penalty * counts.float() + sampling.presence_penalty
@@ -45,18 +53,21 @@ def penalized_logits(logits: torch.Tensor, generated: list[int],
 
 
 def resample_on_host(sampling: SamplingOptions, generated: int) -> bool:
-    """Whether a row is sampled again on the host after ``generated`` tokens: with logit_bias
-    or a constraint always, with penalties once a token was generated."""
+    """Whether a row is sampled again on the host after ``generated`` tokens: with logit_bias,
+    a constraint, a repetition penalty or min_p always, with OpenAI's penalties once a token
+    was generated."""
     return bool(sampling.logit_bias or sampling.structured is not None
+                or sampling.repetition_penalty != 1.0 or sampling.min_p
                 or (sampling.penalized and generated))
 
 
 def host_logits(logits: torch.Tensor, generated: list[int], sampling: SamplingOptions,
-                constraint=None) -> torch.Tensor:
-    """One row's logits [vocab] as the request samples them on the host: penalized (tokens
-    generated so far), logit_bias added, and masked to what the structured-output constraint
-    allows next (a structured.TokenConstraint, or None). A new float32 tensor."""
-    out = penalized_logits(logits, generated, sampling)
+                constraint=None, prompt=()) -> torch.Tensor:
+    """One row's logits [vocab] as the request samples them on the host: penalized (``prompt``
+    and the tokens generated so far), logit_bias added, and masked to what the
+    structured-output constraint allows next (a structured.TokenConstraint, or None). A new
+    float32 tensor."""
+    out = penalized_logits(logits, generated, sampling, prompt)
     if sampling.logit_bias:
         ids, biases = zip(*sampling.logit_bias)
         out[torch.tensor(ids, dtype=torch.long)] += torch.tensor(biases, dtype=torch.float32)
@@ -78,13 +89,18 @@ def sample_row(logits: torch.Tensor, sampling: SamplingOptions, uniform: float,
     parameters and uniform: the same rule as modules/sampling.sample_from_logits (top-k of the
     global top-K candidates, temperature, nucleus, the uniform's inverse CDF), written for one
     row on the host in a few ops instead of the batched graph's ~20 (~0.3 ms less a token); a
-    greedy row is its argmax, the first of equal maxima as on the device."""
+    greedy row is its argmax, the first of equal maxima as on the device. min_p (which the
+    device sampler does not take) drops, after temperature, the candidates less likely than
+    min_p x the most likely one before the nucleus is taken."""
     logits = logits.float()
     if sampling.greedy:
         return int(logits.argmax())
     top, ids = torch.topk(logits, min(global_topk, logits.shape[-1]))  # sorted, descending
     k = sampling.top_k if 0 < sampling.top_k < top.shape[0] else top.shape[0]
     probs = torch.softmax(top[:k] / sampling.temperature, dim=-1)
+    if sampling.min_p:  # sorted: the first is the most likely
+        probs = probs[:max(int((probs >= sampling.min_p * probs[0]).sum()), 1)]
+        probs = probs / probs.sum()
     cdf = probs.cumsum(-1)
     if sampling.top_p < 1.0:  # keep a candidate while the mass before it is below top_p
         kept = int(((cdf - probs) < sampling.top_p).sum())

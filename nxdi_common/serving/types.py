@@ -91,6 +91,12 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # A constraint on the output (structured outputs); None: free text.
     structured: StructuredOutput | None = None
+    # Hugging Face's / vLLM's repetition penalty: the logit of every token in the prompt or
+    # generated so far is divided by it where positive, multiplied where negative (1: none;
+    # > 1 discourages repeats); min_p: after temperature, tokens less likely than min_p x the
+    # most likely one are dropped (0: none). Both on the host, every token the first included.
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def validate(self) -> SamplingOptions:
         t, p = self.temperature, self.top_p
@@ -114,6 +120,14 @@ class SamplingOptions:
             if not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or not -2 <= value <= 2:
                 raise InvalidRequest(name, f"must be a number in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 < r <= 10:
+            raise InvalidRequest("repetition_penalty", f"must be a number in (0, 10] (1 means "
+                                                       f"none), got {r!r}")
+        if not isinstance(self.min_p, (int, float)) or not math.isfinite(self.min_p) \
+                or not 0 <= self.min_p <= 1:
+            raise InvalidRequest("min_p", f"must be a number in [0, 1] (0 means none), "
+                                          f"got {self.min_p!r}")
         self._validate_logit_bias()
         if self.structured is not None:
             self.structured.validate()
