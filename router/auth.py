@@ -1,7 +1,7 @@
-"""API keys: with keys set, every OpenAI request (``/v1/...``) and every call of the gRPC
-``Router`` service must carry one as ``Authorization: Bearer <key>`` (HTTP header / gRPC
-metadata); anything else is refused (HTTP 401 in OpenAI's error shape, gRPC UNAUTHENTICATED)
-before it is parsed. ``/health``, ``/metrics`` and the gRPC health and reflection services stay
+"""API keys: with keys set, every HTTP request but ``/health`` and ``/metrics`` (``/v1/...``,
+``/tokenize``, ...) and every call of the gRPC ``Router`` service must carry one as
+``Authorization: Bearer <key>`` (HTTP header / gRPC metadata); anything else is refused (HTTP
+401 in OpenAI's error shape, gRPC UNAUTHENTICATED) before it is parsed. ``/health``, ``/metrics`` and the gRPC health and reflection services stay
 open for probes and scrapers. Keys come from ``--api-key`` (repeatable) and the ``NXDI_API_KEY``
 environment variable (comma-separated, so a key stays out of the process list); several keys
 let a key be rotated without a restart of the clients. Keys are compared in constant time.
@@ -15,7 +15,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 ENV_VAR = "NXDI_API_KEY"
-PROTECTED_HTTP_PREFIX = "/v1/"
+OPEN_HTTP_PATHS = ("/health", "/metrics")  # probes and scrapers
 MISSING = "missing API key: send it as 'Authorization: Bearer <key>'"
 WRONG = "incorrect API key"
 
@@ -51,13 +51,13 @@ class ApiKeys:
 
 
 class HttpAuth:
-    """ASGI middleware: ``/v1/...`` requests need a key (module doc)."""
+    """ASGI middleware: requests need a key, but for OPEN_HTTP_PATHS (module doc)."""
 
     def __init__(self, app, keys: ApiKeys):
         self.app, self.keys = app, keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_HTTP_PREFIX):
+        if scope["type"] == "http" and scope["path"] not in OPEN_HTTP_PATHS:
             header = next((v.decode("latin-1") for k, v in scope["headers"]
                            if k == b"authorization"), None)
             reason = self.keys.check(header)

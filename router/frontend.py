@@ -90,12 +90,13 @@ class ModelFrontend:
 
     # --- tokenization --------------------------------------------------------------------
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a raw prompt (the tokenizer's own special tokens added, no template)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_chat(self, turns: list[ChatTurn], field_name: str = "messages",
-                    tools: ToolRequest | None = None) -> list[int]:
+                    tools: ToolRequest | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
         """Apply the model's chat template (with the assistant generation prompt), tokenize;
         with ``tools`` (and in any case for earlier tool calls and results) as router/tools.py
         says: through the template where it renders tools, else written into the messages."""
@@ -115,8 +116,8 @@ class ModelFrontend:
         else:
             messages = render_fallback(messages, turns, tools)
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True, **extra)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
         except Exception as exc:  # noqa: BLE001 - a template refusing the conversation
             raise InvalidRequest(field_name, f"the chat template refused it: {exc}") from exc
         return list(self.tokenizer.encode(text, add_special_tokens=False))

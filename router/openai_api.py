@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP gateway (FastAPI): ``POST /v1/completions``,
-``POST /v1/chat/completions`` (JSON or SSE streaming), ``GET /v1/models``, ``GET /health`` and
-``GET /metrics``.
+``POST /v1/chat/completions`` (JSON or SSE streaming), ``GET /v1/models``, vLLM's
+``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` and ``GET /metrics``.
 
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: malformed JSON and
 every validation failure give 400 naming the parameter; a full pool 429; no healthy decode worker
@@ -33,8 +33,9 @@ from nxdi_common.serving.errors import InvalidRequest, ServingError
 from router import openai_format as fmt
 from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend, RoutedRequest
-from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed, chat_tools,
-                                  choices, completions_to_routed, structured_field)
+from router.openai_schema import (ChatRequest, CompletionRequest, DetokenizeRequest,
+                                  TokenizeRequest, chat_to_routed, chat_tools, choices,
+                                  completions_to_routed, detokenize, structured_field, tokenize)
 
 log = logging.getLogger(__name__)
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
@@ -272,6 +273,14 @@ def _add_generation_routes(app: FastAPI, frontend: ModelFrontend, dispatcher: Di
 
 
 def _add_info_routes(app: FastAPI, frontend: ModelFrontend, dispatcher: Dispatcher):
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest):
+        return tokenize(body, frontend)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest):
+        return detokenize(body, frontend)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [fmt.model_card(frontend)]}

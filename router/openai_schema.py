@@ -159,10 +159,62 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool | None = None
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): a prompt, or chat messages (with tools) through the chat
+    template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    tools: Any = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize(body: TokenizeRequest, frontend: ModelFrontend) -> dict:
+    """The /tokenize answer: the ids, their count, the context limit (and each id's text)."""
+    frontend.check_model(body.model)
+    check_extras(body, ())
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequest("prompt", "give exactly one of prompt or messages")
+    if body.prompt is not None:
+        if body.tools is not None:
+            raise InvalidRequest("tools", "only with messages")
+        ids = frontend.encode_text(body.prompt, body.add_special_tokens is not False)
+    else:
+        if body.add_special_tokens:
+            raise InvalidRequest("add_special_tokens", "only with prompt (the chat template "
+                                                       "writes a conversation's special tokens)")
+        tools = parse_tools(body.tools, None, None)
+        ids = frontend.encode_chat(chat_turns(body), "messages", tools, body.add_generation_prompt)
+    reply = {"count": len(ids), "max_model_len": frontend.limits.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        reply["token_strs"] = frontend.tokenizer.convert_ids_to_tokens(ids)
+    return reply
+
+
+def detokenize(body: DetokenizeRequest, frontend: ModelFrontend) -> dict:
+    frontend.check_model(body.model)
+    check_extras(body, ())
+    bad = [t for t in body.tokens if not 0 <= t < frontend.limits.vocab_size]
+    if bad:
+        raise InvalidRequest("tokens", f"token id {bad[0]} is outside "
+                                       f"[0, {frontend.limits.vocab_size})")
+    return {"prompt": frontend.tokenizer.decode(body.tokens)}
+
+
 # --- checks ------------------------------------------------------------------------------------
 
 
-def check_extras(body: _Common, allowed_extras: tuple[str, ...]) -> None:
+def check_extras(body: _Strict, allowed_extras: tuple[str, ...]) -> None:
     """Refuse unimplemented OpenAI parameters unless they hold their no-op value, and refuse
     unknown parameters, naming the parameter."""
     for name, value in (body.model_extra or {}).items():
@@ -345,7 +397,7 @@ def chat_tools(body: ChatRequest) -> ToolRequest | None:
     return tools
 
 
-def chat_turns(body: ChatRequest) -> list[ChatTurn]:
+def chat_turns(body: ChatRequest | TokenizeRequest) -> list[ChatTurn]:
     """The messages as chat turns; tool_calls and tool_call_id checked."""
     turns = []
     for i, m in enumerate(body.messages):

@@ -141,8 +141,8 @@ class RunningRouter:
         app = create_app(frontend, dispatcher)
         if keys.enabled:
             app.add_middleware(HttpAuth, keys=keys)
-            log.info("API keys: %d accepted; required on /v1/ and the Router service",
-                     len(settings.api_keys))
+            log.info("API keys: %d accepted; required on HTTP (but /health, /metrics) and the "
+                     "Router service", len(settings.api_keys))
         try:
             await grpc_server.start(settings.host, settings.grpc_port)
             http, task, port = await _start_http(app, settings)
@@ -197,9 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--model-name", help="model id clients use (default: the model dir name)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/ and the gRPC Router service "
-                        "(repeatable; also the NXDI_API_KEY environment variable, "
-                        "comma-separated, which keeps keys out of the process list)")
+                   help="require 'Authorization: Bearer KEY' on HTTP (but /health, /metrics) "
+                        "and the gRPC Router service (repeatable; also the NXDI_API_KEY "
+                        "environment variable, comma-separated, which keeps keys out of the "
+                        "process list)")
     g = p.add_argument_group("workers")
     g.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                    help="a prefill worker (repeatable)")

@@ -41,9 +41,10 @@ def test_v1_without_a_right_key_is_401_in_openai_shape(router, key, scheme, why)
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert r.json()["error"]["code"] == "invalid_api_key"
     assert why in r.json()["error"]["message"]
-    post = httpx.post(f"http://{router['http']}/v1/completions", timeout=30,
-                      json={"prompt": "hi", "max_tokens": 2})
-    assert post.status_code == 401
+    for path in ("/v1/completions", "/tokenize"):
+        post = httpx.post(f"http://{router['http']}{path}", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 2})
+        assert post.status_code == 401
 
 
 def test_either_key_serves_and_probes_stay_open(router):

@@ -270,9 +270,41 @@ def test_grpc_list_models(stub, tiny_chat_model):
     assert not model.HasField("fingerprint")  # no worker has reported one
 
 
+def test_tokenize_and_detokenize(http, tiny_chat_model):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
+    reply = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["tokens"] == tokenizer.encode("Hello world") and body["count"] == len(
+        body["tokens"]) and body["max_model_len"] == MAX_MODEL_LEN
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    template = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer.encode(template, add_special_tokens=False)
+    bare = http.post("/tokenize", json={"messages": messages,
+                                        "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat["tokens"][:bare["count"]] and bare["count"] < chat["count"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert http.post("/tokenize", json={"messages": messages, "tools": tools}).json()[
+        "count"] > chat["count"] + 20
+    back = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()
+    assert back == {"prompt": template}
+    assert_400(http.post("/detokenize", json={"tokens": [1, VOCAB]}), "tokens",
+               f"token id {VOCAB} is outside")
+    assert_400(http.post("/tokenize", json={"prompt": "a", "messages": messages}), "prompt",
+               "exactly one of prompt or messages")
+    assert_400(http.post("/tokenize", json={"prompt": "a", "echo": True}), "echo",
+               "unrecognized request argument")
+    assert_400(http.post("/tokenize", json={"prompt": "a", "model": "other"}), "model",
+               "is not served here")
+
+
 def test_sigterm_stops_the_router_cleanly(router, http):
     assert http.get("/v1/models").status_code == 200
     proc = router["proc"]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
     assert "signal 15: stopping gracefully" in Path(router["log"]).read_text()
+
