@@ -32,12 +32,13 @@ def job_from_proto(req: pb.DecodeRequest) -> t.DecodeJob:
 
 def prefill_request(job: t.DecodeJob, fingerprint: kv_transfer.ModelFingerprint,
                     kv_token_start: int, max_chunk_bytes: int,
-                    accept_kv_socket: bool = False) -> pb.PrefillRequest:
+                    accept_kv_socket: bool = False, banned_first=()) -> pb.PrefillRequest:
     return pb.PrefillRequest(
         request_id=job.request_id, prompt_token_ids=job.prompt_ids,
         sampling=sampling_to_proto(job.sampling),
         fingerprint=kv_transfer.fingerprint_to_proto(fingerprint), kv_token_start=kv_token_start,
-        max_chunk_bytes=max_chunk_bytes, accept_kv_socket=accept_kv_socket)
+        max_chunk_bytes=max_chunk_bytes, accept_kv_socket=accept_kv_socket,
+        banned_first_token_ids=banned_first)
 
 
 def prefill_call(channel):

@@ -533,9 +533,10 @@ class DecodeEngine:
         for i, (seq, token) in enumerate(zip(seqs, out.tokens.tolist())):
             sampling, logits = seq.job.sampling, None
             try:
-                if resample_on_host(sampling, len(seq.generated)):
+                banned = seq.banned_ids()  # min_tokens
+                if banned or resample_on_host(sampling, len(seq.generated)):
                     logits = host_logits(out.logits[i], seq.generated, sampling, seq.constraint,
-                                         seq.job.prompt_ids)
+                                         seq.job.prompt_ids, banned)
                     token = sample_row(logits, sampling, seq.last_uniform, self.global_topk)
                 logprob, top = (token_logprobs(out.logits[i] if logits is None else logits,
                                                token, sampling, self.tokenizer)

@@ -91,7 +91,7 @@ class KVPuller:
         coverage = kv_transfer.KVCoverage(reservation)
         store = self.engine.kv_writer(seq)
         request = convert.prefill_request(seq.job, self.fingerprint, start, self.max_chunk_bytes,
-                                          self.accepts_socket(address))
+                                          self.accepts_socket(address), seq.banned_ids())
         call = self.channels.prefill(address)(request, timeout=self.timeout)
         self.open_transfers += 1
         began, payload = time.perf_counter(), 0

@@ -62,6 +62,15 @@ class Sequence:
         self.last_uniform = next_uniform(self.rng)
         return self.last_uniform
 
+    def banned_ids(self) -> tuple[int, ...]:
+        """Token ids the next token may not be: while fewer than min_tokens were generated, the
+        EOS tokens (unless ignored) and the stop tokens."""
+        stop = self.job.stop
+        if len(self.generated) >= stop.min_tokens:
+            return ()
+        eos = () if stop.ignore_eos else tuple(sorted(self.eos_ids))
+        return tuple(sorted({*eos, *stop.stop_token_ids}))
+
     def add_token(self, token_id: int, logprob=None, top_logprobs=()) -> None:
         """Record a generated token, apply the stop rules, and emit its event. A token the
         constraint does not allow raises (nothing recorded)."""
@@ -70,7 +79,8 @@ class Sequence:
         self.generated.append(token_id)
         if len(self.generated) == 1:
             self.first_token_ns = time.monotonic_ns()
-        text, stop_string = self.text.add(token_id)
+        text, stop_string = self.text.add(token_id,
+                                          len(self.generated) >= self.job.stop.min_tokens)
         reason = self._stop_reason(token_id, stop_string)
         if reason is not None and reason != t.STOP_STRING:
             text += self.text.finish()  # held text; it may complete a stop string

@@ -54,7 +54,8 @@ def job_from_proto(msg: serving_pb2.PrefillRequest) -> PrefillJob:
         request_id=msg.request_id, prompt_ids=tuple(msg.prompt_token_ids),
         sampling=sampling_from_proto(msg.sampling), kv_token_start=msg.kv_token_start,
         head_start=msg.head_start, head_end=msg.head_end, max_chunk_bytes=msg.max_chunk_bytes,
-        accept_kv_socket=msg.accept_kv_socket)
+        accept_kv_socket=msg.accept_kv_socket,
+        banned_first=tuple(msg.banned_first_token_ids))
 
 
 def first_token_event(first: FirstTokenResult) -> serving_pb2.PrefillEvent:

@@ -207,8 +207,10 @@ def run_batch(model, batch: list[PrefillTask]) -> list[PrefillOutput]:
     results = []
     for i, task in enumerate(batch):
         token, logits, sampling = int(out.tokens[i]), out.logits[i], task.job.sampling
-        if resample_on_host(sampling, 0):  # e.g. logit_bias or a constraint: on the host
-            logits = host_logits(logits, [], sampling, task.constraint, task.job.prompt_ids)
+        banned = task.job.banned_first  # min_tokens: the caller's EOS and stop tokens
+        if banned or resample_on_host(sampling, 0):  # e.g. logit_bias, a constraint: on the host
+            logits = host_logits(logits, [], sampling, task.constraint, task.job.prompt_ids,
+                                 banned)
             token = sample_row(logits, sampling, float(rand[i]), model_global_topk(model))
         logprob, top = token_logprobs(logits, token, sampling)
         k, v = copy_kv(model.kv_cache, i, (task.job.kv_token_start, task.num_tokens), task.heads)

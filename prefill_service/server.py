@@ -115,6 +115,11 @@ def check_job(job: PrefillJob, limits: ModelLimits, fp: ModelFingerprint,
                                            f"UTF-8 bytes, got {job.request_id!r:.300}")
     check_prompt(job.prompt_ids, limits, "prompt_token_ids")
     check_sampling(job.sampling, limits, "sampling_params.logit_bias")
+    bad = [t for t in job.banned_first if not 0 <= t < limits.vocab_size]
+    if bad or len(job.banned_first) >= limits.vocab_size:
+        raise InvalidRequest("banned_first_token_ids", f"fewer than {limits.vocab_size} ids in "
+                                                       f"[0, {limits.vocab_size}), got "
+                                                       f"{len(job.banned_first)} ({bad[:3]} out)")
     if job.kv_token_start >= len(job.prompt_ids):
         raise InvalidRequest("kv_token_start", f"{job.kv_token_start} must be below the prompt "
                                                f"length {len(job.prompt_ids)}")

@@ -137,8 +137,8 @@ class ModelFrontend:
         check_sampling(sampling, self.limits)
         check_prompt(prompt_ids, self.limits, prompt_field)
         max_tokens = resolve_max_tokens(len(prompt_ids), stop, self.limits)
-        return RoutedRequest(request_id or new_request_id(), tuple(prompt_ids), sampling,
-                             replace(stop, max_tokens=max_tokens))
+        stop = replace(stop, max_tokens=max_tokens).validate()  # min_tokens within what is left
+        return RoutedRequest(request_id or new_request_id(), tuple(prompt_ids), sampling, stop)
 
 
     async def check_structured(self, sampling: SamplingOptions, field_name: str) -> None:

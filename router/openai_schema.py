@@ -48,8 +48,8 @@ class StreamOptions(_Strict):
 
 
 class _Common(_Strict):
-    """Parameters both endpoints take (top_k, min_p, repetition_penalty, stop_token_ids and
-    ignore_eos are vLLM's extensions)."""
+    """Parameters both endpoints take (top_k, min_p, repetition_penalty, stop_token_ids,
+    min_tokens and ignore_eos are vLLM's extensions)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -64,6 +64,7 @@ class _Common(_Strict):
     seed: int | None = None
     stop: Any = None
     stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
@@ -240,7 +241,8 @@ def _stop_options(body: _Common, max_tokens: int | None) -> StopOptions:
     stop = body.stop
     strings = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     return StopOptions(max_tokens=max_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
-                       stop_strings=strings, ignore_eos=bool(body.ignore_eos))
+                       stop_strings=strings, ignore_eos=bool(body.ignore_eos),
+                       min_tokens=body.min_tokens or 0)
 
 
 def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> SamplingOptions:

@@ -292,3 +292,16 @@ def test_repetition_penalty_through_the_prefill_worker_is_transformers_generate(
     bad = httpx.post(f"http://{http}/v1/completions", timeout=60,
                      json={"model": "tiny", "prompt": "hi", "repetition_penalty": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_penalty"
+
+
+def test_min_tokens_holds_off_eos_at_the_prefill_worker_and_the_decode_worker(http):
+    """logit_bias +100 on EOS ends a plain answer at its first token; with min_tokens 4 the
+    prefill worker's first token and the decode worker's next three are not EOS, the 5th is."""
+    body = dict(temperature=0, max_tokens=20, ignore_eos=False, logit_bias={"2": 100})
+    assert post(http, **body)["usage"]["completion_tokens"] == 1
+    reply = post(http, **body, min_tokens=4)
+    assert reply["usage"]["completion_tokens"] == 5
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    bad = httpx.post(f"http://{http}/v1/completions", timeout=60,
+                     json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "min_tokens": 3})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"

@@ -185,3 +185,43 @@ def test_repetition_penalty_greedy_tokens_are_transformers_generate(engine, tiny
     got = generate(engine, "rep", SamplingOptions(temperature=0.0, repetition_penalty=1.5), 24)
     assert got == want
     assert generate(engine, "plain-rep", SamplingOptions(temperature=0.0), 24) != want
+
+
+# --- min_tokens ----------------------------------------------------------------------------------
+
+
+def test_min_tokens_range_wire_and_stop_strings_held_off():
+    from nxdi_common.serving.detokenize import StopStringMatcher
+    for stop, message in ((StopOptions(min_tokens=-1), "must be an integer >= 0"),
+                          (StopOptions(max_tokens=4, min_tokens=5), "at most max_tokens (4)")):
+        with pytest.raises(InvalidRequest) as info:
+            stop.validate()
+        assert info.value.field == "min_tokens" and message in str(info.value)
+    s = StopOptions(max_tokens=9, min_tokens=3, stop_token_ids=(7,))
+    assert convert.stop_from_proto(convert.stop_to_proto(s)) == s
+    m = StopStringMatcher(["END"])
+    assert m.feed("xEN", active=False) == "xEN" and m.feed("D", active=False) == "D"
+    assert m.matched is None and m.feed("a EN") == "a " and m.feed("D!") == "" and m.matched
+
+
+def test_min_tokens_hold_off_eos_then_let_it_stop(engine):
+    """logit_bias +100 on EOS makes every token EOS; min_tokens 5 bans it (and the stop token)
+    for the first 5, so the 6th ends the sequence."""
+    def run(rid, min_tokens, stop_ids=()):
+        out = []
+        job = DecodeJob(rid, tuple(PROMPT), SamplingOptions(temperature=0.0,
+                                                            logit_bias=((2, 100.0),)),
+                        StopOptions(20, stop_token_ids=stop_ids, min_tokens=min_tokens))
+        seq = engine.admit(job, 20, out.append)
+        engine.submit_local_prefill(seq)
+        while not seq.finished:
+            engine._iterate()
+        return [o.token_id for o in out], out[-1].finish_reason
+
+    assert run("m0", 0) == ([2], "eos_token")
+    tokens, reason = run("m5", 5)
+    assert len(tokens) == 6 and 2 not in tokens[:5] and (tokens[5], reason) == (2, "eos_token")
+    # a stop token is held off too: ban the plain greedy 2nd token's and it never comes early
+    plain = run("m5b", 5)[0]
+    tokens, _ = run("m5s", 5, stop_ids=(plain[1],))
+    assert plain[1] not in tokens[:5] and len(tokens) == 6

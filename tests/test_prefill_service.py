@@ -394,13 +394,15 @@ def test_refusals_name_the_field_and_queue_nothing(make_live):
         (dict(ids=prompt(4), head_start=1, head_end=3), "head_start: heads [1, 3)"),
         (dict(ids=prompt(4), max_chunk_bytes=255), "max_chunk_bytes: 255 bytes cannot hold"),
         (dict(ids=prompt(4), request_id=""), "request_id: must be 1..256"),
+        (dict(ids=prompt(4), banned_first_token_ids=[2, 256]),
+         "banned_first_token_ids: fewer than 256 ids in [0, 256), got 2 ([256] out)"),
     ]
     for kw, message in cases:
         code, details = refusal(w, w.request(kw.pop("ids"), **kw))
         assert (code, details[:len(message)]) == (grpc.StatusCode.INVALID_ARGUMENT, message)
     report = w.load()
     assert (report.queued_requests, report.queued_prompt_tokens) == (0, 0)
-    assert w.outcomes() == {"ok": 0, "cancelled": 0, "error": 0, "rejected": 0, "invalid": 10}
+    assert w.outcomes() == {"ok": 0, "cancelled": 0, "error": 0, "rejected": 0, "invalid": 11}
 
 
 def test_queue_bound_load_report_and_cancel_while_queued(make_live, hf):

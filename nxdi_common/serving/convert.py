@@ -63,12 +63,13 @@ def stop_from_proto(msg: pb.StopCriteria) -> t.StopOptions:
     return t.StopOptions(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings),
-        ignore_eos=msg.ignore_eos).validate()
+        ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens).validate()
 
 
 def stop_to_proto(s: t.StopOptions) -> pb.StopCriteria:
     return pb.StopCriteria(max_tokens=s.max_tokens, stop_token_ids=s.stop_token_ids,
-                           stop_strings=s.stop_strings, ignore_eos=s.ignore_eos)
+                           stop_strings=s.stop_strings, ignore_eos=s.ignore_eos,
+                           min_tokens=s.min_tokens)
 
 
 def logprobs_to_proto(items) -> list[pb.TokenLogprob]:

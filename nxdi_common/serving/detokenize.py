@@ -49,11 +49,15 @@ class StopStringMatcher:
         self._held = ""  # text not emitted yet: a suffix that may begin a stop string
         self.matched: str | None = None
 
-    def feed(self, delta: str) -> str:
-        """Text to emit for this delta; after a match (``matched`` set) nothing more is emitted."""
+    def feed(self, delta: str, active: bool = True) -> str:
+        """Text to emit for this delta; after a match (``matched`` set) nothing more is emitted.
+        Not ``active``: everything held and given is emitted, unmatched."""
         if self.matched is not None:
             return ""
         text = self._held + delta
+        if not active:
+            self._held = ""
+            return text
         hits = [(text.find(s), s) for s in self._stops if s in text]
         if hits:
             index, self.matched = min(hits)
@@ -86,8 +90,9 @@ class OutputText:
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringMatcher(stop_strings)
 
-    def add(self, token_id: int) -> tuple[str, bool]:
-        text = self._stops.feed(self._detok.add(token_id))
+    def add(self, token_id: int, match_stops: bool = True) -> tuple[str, bool]:
+        """match_stops False (before min_tokens): the text passes, no stop string can match."""
+        text = self._stops.feed(self._detok.add(token_id), match_stops)
         return text, self._stops.matched is not None
 
     @property

@@ -62,12 +62,14 @@ def resample_on_host(sampling: SamplingOptions, generated: int) -> bool:
 
 
 def host_logits(logits: torch.Tensor, generated: list[int], sampling: SamplingOptions,
-                constraint=None, prompt=()) -> torch.Tensor:
+                constraint=None, prompt=(), banned=()) -> torch.Tensor:
     """One row's logits [vocab] as the request samples them on the host: penalized (``prompt``
-    and the tokens generated so far), logit_bias added, and masked to what the
-    structured-output constraint allows next (a structured.TokenConstraint, or None). A new
-    float32 tensor."""
+    and the tokens generated so far), logit_bias added, ``banned`` ids at -inf (min_tokens),
+    and masked to what the structured-output constraint allows next (a
+    structured.TokenConstraint, or None). A new float32 tensor."""
     out = penalized_logits(logits, generated, sampling, prompt)
+    if banned:
+        out[torch.tensor(banned, dtype=torch.long)] = float("-inf")
     if sampling.logit_bias:
         ids, biases = zip(*sampling.logit_bias)
         out[torch.tensor(ids, dtype=torch.long)] += torch.tensor(biases, dtype=torch.float32)

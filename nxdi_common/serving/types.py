@@ -168,11 +168,19 @@ class StopOptions:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # vLLM's min_tokens: the first min_tokens tokens are never EOS or a stop token (their logits
+    # are masked), and stop strings count from the min_tokens-th token on
+    min_tokens: int = 0
 
     def validate(self) -> StopOptions:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequest("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest("min_tokens", f"must be at most max_tokens ({self.max_tokens}), "
+                                               f"got {self.min_tokens}")
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, "
                                          f"got {len(self.stop_strings)}")
@@ -277,3 +285,4 @@ class PrefillJob:
     head_end: int = 0  # 0 with head_start 0: all heads
     max_chunk_bytes: int = 0  # 0: the worker's bound
     accept_kv_socket: bool = False  # the caller can take the chunks on a KV socket
+    banned_first: tuple[int, ...] = ()  # the first token may not be one of these (min_tokens)

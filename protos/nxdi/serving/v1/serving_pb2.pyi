@@ -109,16 +109,18 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StopCriteria(_message.Message):
-    __slots__ = ("max_tokens", "stop_token_ids", "stop_strings", "ignore_eos")
+    __slots__ = ("max_tokens", "stop_token_ids", "stop_strings", "ignore_eos", "min_tokens")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    min_tokens: int
+    def __init__(self, max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -257,7 +259,7 @@ class ModelFingerprint(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., kv_quantization: _Optional[_Union[KVQuantization, str]] = ..., weights_hash: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "fingerprint", "kv_token_start", "head_start", "head_end", "max_chunk_bytes", "accept_kv_socket")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "fingerprint", "kv_token_start", "head_start", "head_end", "max_chunk_bytes", "accept_kv_socket", "banned_first_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +269,7 @@ class PrefillRequest(_message.Message):
     HEAD_END_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_KV_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    BANNED_FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -276,7 +279,8 @@ class PrefillRequest(_message.Message):
     head_end: int
     max_chunk_bytes: int
     accept_kv_socket: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_token_start: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., accept_kv_socket: _Optional[bool] = ...) -> None: ...
+    banned_first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_token_start: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., accept_kv_socket: _Optional[bool] = ..., banned_first_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs", "cached_prompt_tokens", "compute_ns")
