@@ -389,6 +389,11 @@ def _parse_call(body: str, names: set[str]) -> ToolCall | None:
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # arguments written as JSON text (some models do)
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())

@@ -53,6 +53,11 @@ CASES = [
     # cut off inside a call, and a tag's start at the very end: text
     ('<tool_call>\n{"name": "add", "argu', ('<tool_call>\n{"name": "add", "argu', [])),
     ("a < b and <tool_c", ("a < b and <tool_c", [])),
+    # arguments as JSON text are taken when they hold an object
+    ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 4, \\"b\\": 1}"}</tool_call>',
+     (None, [("add", {"a": 4, "b": 1})])),
+    ('<tool_call>{"name": "add", "arguments": "[4]"}</tool_call>',
+     ('<tool_call>{"name": "add", "arguments": "[4]"}</tool_call>', [])),
     # "parameters" is accepted for "arguments" (some models write it)
     ('<tool_call>{"name": "add", "parameters": {"a": 0, "b": 0}}</tool_call>',
      (None, [("add", {"a": 0, "b": 0})])),
