@@ -560,8 +560,10 @@ def start_peer(peer: str, *, model_dir: str | os.PathLike, gguf_path: str | os.P
                cpus: list[int], port: int = 0, max_model_len: int = 2048,
                served_model_name: str = "bundled", dtype: str = "bfloat16",
                startup_timeout: float = 900.0, progress: Progress = print,
-               cache_dir: str | os.PathLike | None = None) -> PeerServer:
-    """Install ``peer`` if needed, start its OpenAI server and wait until it answers.
+               cache_dir: str | os.PathLike | None = None,
+               extra_args: Sequence[str] = ()) -> PeerServer:
+    """Install ``peer`` if needed, start its OpenAI server (``extra_args`` appended to its
+    command line, e.g. vLLM's ``--enable-auto-tool-choice``) and wait until it answers.
 
     The server runs in its own session (so :meth:`PeerServer.stop` ends its children too), pinned
     to ``cpus`` with that many threads, on 127.0.0.1:``port`` (0 picks a free port), with its
@@ -577,6 +579,7 @@ def start_peer(peer: str, *, model_dir: str | os.PathLike, gguf_path: str | os.P
         peer, python, model_dir=model_dir, gguf_path=gguf_path, cpus=cpus, port=port,
         max_model_len=max_model_len, served_model_name=served_model_name, dtype=dtype,
         cache_dir=cache_dir)
+    argv = [*argv, *extra_args]
     root = peer_root(cache_dir)
     (root / "logs").mkdir(parents=True, exist_ok=True)
     log_path = root / "logs" / f"{peer}-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
