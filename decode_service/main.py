@@ -51,6 +51,10 @@ def parse_args(argv=None):
                    "free")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
                    help="prompts up to this length are prefilled here, not pulled")
+    p.add_argument("--local-prefill-uncached-tokens", type=int, default=64, metavar="N",
+                   help="a prompt whose leading blocks are in this worker's prefix cache is "
+                        "prefilled here when at most N of its tokens are not (a prefill worker "
+                        "would compute all of them again); 0: never for that reason")
     p.add_argument("--split-call-cost", type=int,
                    default=EngineConfig.split_call_cost_row_tokens, metavar="ROW_TOKENS",
                    help="fixed cost of one more token-generation call, in row-tokens of "
@@ -62,7 +66,11 @@ def parse_args(argv=None):
                         "offers one (the gRPC stream stays the control path); off: on the "
                         "stream only")
     p.add_argument("--kv-pull-timeout-seconds", type=float, default=600.0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.local_prefill_uncached_tokens < 0:
+        p.error(f"--local-prefill-uncached-tokens must be >= 0, got "
+                f"{args.local_prefill_uncached_tokens}")
+    return args
 
 
 def _add_local_prefill_args(p) -> None:
@@ -125,7 +133,8 @@ def build(args):
     limits = ModelLimits(opts.max_model_len, model.config.vocab_size)
     servicer = DecodeServicer(engine, puller, limits, fingerprint,
                               args.local_prefill_max_tokens, metrics,
-                              worker.grammar_compiler(opts, limits.vocab_size, tokenizer))
+                              worker.grammar_compiler(opts, limits.vocab_size, tokenizer),
+                              args.local_prefill_uncached_tokens)
     return servicer, engine, channels, metrics
 
 

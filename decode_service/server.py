@@ -23,9 +23,11 @@ log = logging.getLogger(__name__)
 
 class DecodeServicer(convert.DecodeServicerBase):
     def __init__(self, engine: DecodeEngine, puller: KVPuller, limits: t.ModelLimits,
-                 fingerprint, local_prefill_max_tokens: int, metrics=None, grammars=None):
+                 fingerprint, local_prefill_max_tokens: int, metrics=None, grammars=None,
+                 local_prefill_uncached_tokens: int = 0):
         self.engine, self.puller, self.limits = engine, puller, limits
         self.fingerprint, self.local_max = fingerprint, local_prefill_max_tokens
+        self.local_uncached_max = local_prefill_uncached_tokens
         self.metrics = metrics
         self.grammars = grammars  # structured.GrammarCompiler (None: structured output refused)
         self.address = ""
@@ -75,11 +77,19 @@ class DecodeServicer(convert.DecodeServicerBase):
             self._count(outcome)
 
     def _start_prefill(self, seq, events: asyncio.Queue):
-        job = seq.job
-        if not job.prefill_candidates or seq.prompt_len <= self.local_max:
+        if self._prefills_here(seq):
             self._submit_local(seq)
             return None
         return asyncio.create_task(self._pull(seq, events))
+
+    def _prefills_here(self, seq) -> bool:
+        """No prefill worker was offered, the prompt is short, or this worker's prefix cache
+        holds all but a few of its tokens: a prefill worker would compute the whole prompt
+        again (it keeps no cache), here only the rest is computed."""
+        if not seq.job.prefill_candidates or seq.prompt_len <= self.local_max:
+            return True
+        return 0 < seq.num_cached_tokens and \
+            seq.prompt_len - seq.num_cached_tokens <= self.local_uncached_max
 
     async def _pull(self, seq, events: asyncio.Queue) -> None:
         try:

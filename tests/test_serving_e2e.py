@@ -254,3 +254,36 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
                     break
                 time.sleep(0.1)
             assert moved == [local, local, 1 - local], (n, moved)
+
+
+def test_a_prompt_mostly_in_the_decode_workers_prefix_cache_is_prefilled_there(
+        bundled_model_path, tokenizer, hf_model):
+    """The decode worker's --local-prefill-uncached-tokens (default 64): a prompt whose leading
+    blocks it still holds from an earlier request is prefilled there when at most 64 of its
+    tokens are not cached (the prefill worker, which keeps no cache, would compute all of them
+    again); with more uncached tokens, or none cached, the prefill worker does it. Greedy tokens
+    are transformers' either way."""
+    spec = LaunchSpec(dtype="float32", backend="eager", max_model_len=512, prefill_workers=1,
+                      decode_workers=1, threads=1)
+    first = prompt_of(tokenizer, 120)
+    cases = [(first, 0),  # nothing cached yet: the prefill worker
+             (first[:112] + prompt_of(tokenizer, 20, offset=7), 1),  # 112 cached, 20 not: here
+             (first[:48] + prompt_of(tokenizer, 100, offset=3), 0)]  # 48 cached, 100 not
+    with Cluster(spec) as cluster:
+        decode_metrics, prefill_metrics = (
+            f"http://{connectable(cluster.worker(role, 0).ready['metrics'])}/metrics"
+            for role in ("decode", "prefill"))
+        served = 'nxdi_requests_total{outcome="ok",role="prefill"}'
+        for ids, local in cases:
+            before = [metric(decode_metrics, "nxdi_local_prefills_total"),
+                      metric(prefill_metrics, served)]
+            events = asyncio.run(router_generate(cluster.grpc_address, ids, 8))
+            assert [e.token_id for e in events] == reference(hf_model, ids, 8)
+            deadline = time.monotonic() + 10  # the prefill stream is counted when it closes
+            while True:
+                moved = [a - b for a, b in zip([metric(decode_metrics, "nxdi_local_prefills_total"),
+                                                metric(prefill_metrics, served)], before)]
+                if moved == [local, 1 - local] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert moved == [local, 1 - local], (len(ids), moved)
