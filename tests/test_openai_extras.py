@@ -305,3 +305,19 @@ def test_min_tokens_holds_off_eos_at_the_prefill_worker_and_the_decode_worker(ht
     bad = httpx.post(f"http://{http}/v1/completions", timeout=60,
                      json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "min_tokens": 3})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"
+
+
+def test_the_openai_sdk_reads_our_tool_calls_whole_and_streamed(http):
+    import openai
+    client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="none")
+    body = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}], max_tokens=200,
+                tools=[ADD, WEATHER], temperature=0,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    reply = client.chat.completions.create(**body)
+    (call,) = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    with client.chat.completions.stream(**body) as stream:
+        final = stream.get_final_completion()
+    (streamed,) = final.choices[0].message.tool_calls
+    assert (streamed.function.name, json.loads(streamed.function.arguments)) == (
+        "get_weather", json.loads(call.function.arguments))
