@@ -53,8 +53,9 @@ def parse_args(argv=None):
                    help="prompts up to this length are prefilled here, not pulled")
     p.add_argument("--local-prefill-uncached-tokens", type=int, default=64, metavar="N",
                    help="a prompt whose leading blocks are in this worker's prefix cache is "
-                        "prefilled here when at most N of its tokens are not (a prefill worker "
-                        "would compute all of them again); 0: never for that reason")
+                        "prefilled here when at most N of its tokens are not, and no more than "
+                        "are (a prefill worker would compute all of them again); 0: never for "
+                        "that reason")
     p.add_argument("--split-call-cost", type=int,
                    default=EngineConfig.split_call_cost_row_tokens, metavar="ROW_TOKENS",
                    help="fixed cost of one more token-generation call, in row-tokens of "

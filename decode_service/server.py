@@ -84,12 +84,14 @@ class DecodeServicer(convert.DecodeServicerBase):
 
     def _prefills_here(self, seq) -> bool:
         """No prefill worker was offered, the prompt is short, or this worker's prefix cache
-        holds all but a few of its tokens: a prefill worker would compute the whole prompt
-        again (it keeps no cache), here only the rest is computed."""
+        holds all but a few of its tokens, and at least as many as it lacks: a prefill worker
+        would compute the whole prompt again (it keeps no cache), here only the rest is
+        computed. (The second condition keeps a short chat that shares only the chat
+        template's first block with others on the prefill worker.)"""
         if not seq.job.prefill_candidates or seq.prompt_len <= self.local_max:
             return True
-        return 0 < seq.num_cached_tokens and \
-            seq.prompt_len - seq.num_cached_tokens <= self.local_uncached_max
+        uncached = seq.prompt_len - seq.num_cached_tokens
+        return uncached <= min(self.local_uncached_max, seq.num_cached_tokens)
 
     async def _pull(self, seq, events: asyncio.Queue) -> None:
         try:

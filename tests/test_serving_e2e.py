@@ -260,15 +260,16 @@ def test_a_prompt_mostly_in_the_decode_workers_prefix_cache_is_prefilled_there(
         bundled_model_path, tokenizer, hf_model):
     """The decode worker's --local-prefill-uncached-tokens (default 64): a prompt whose leading
     blocks it still holds from an earlier request is prefilled there when at most 64 of its
-    tokens are not cached (the prefill worker, which keeps no cache, would compute all of them
-    again); with more uncached tokens, or none cached, the prefill worker does it. Greedy tokens
-    are transformers' either way."""
+    tokens are not cached, and no more than are (the prefill worker, which keeps no cache,
+    would compute all of them again); with more uncached tokens, fewer cached than not, or none
+    cached, the prefill worker does it. Greedy tokens are transformers' either way."""
     spec = LaunchSpec(dtype="float32", backend="eager", max_model_len=512, prefill_workers=1,
                       decode_workers=1, threads=1)
     first = prompt_of(tokenizer, 120)
     cases = [(first, 0),  # nothing cached yet: the prefill worker
              (first[:112] + prompt_of(tokenizer, 20, offset=7), 1),  # 112 cached, 20 not: here
-             (first[:48] + prompt_of(tokenizer, 100, offset=3), 0)]  # 48 cached, 100 not
+             (first[:48] + prompt_of(tokenizer, 100, offset=3), 0),  # 48 cached, 100 not
+             (first[:16] + prompt_of(tokenizer, 40, offset=5), 0)]  # 16 cached, 40 not
     with Cluster(spec) as cluster:
         decode_metrics, prefill_metrics = (
             f"http://{connectable(cluster.worker(role, 0).ready['metrics'])}/metrics"
