@@ -80,6 +80,7 @@ from nxdi_common.application import CausalLMOutput
 from nxdi_common.block_manager import BlockManager, OutOfBlocks
 from nxdi_common.modules.kv_cache import SequenceKVWriter
 from nxdi_common.serving.compute import run_loop
+from nxdi_common.serving import types as t
 from nxdi_common.serving.errors import Overloaded
 from nxdi_common.serving.rates import PrefillRate, moving_average
 from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
@@ -257,7 +258,18 @@ class DecodeEngine:
                     self._swapped.remove(seq)
                     seq.swapped_kv = None
                 else:
+                    self._keep_generated(seq)
                     self.blocks.free(seq.request_id)
+
+    def _keep_generated(self, seq: Sequence) -> None:
+        """A sequence that ended normally: the KV of the tokens it generated and fed back (all
+        but the last) joins the prefix cache, so the next turn of its conversation finds it."""
+        if seq.finish_reason not in (t.LENGTH, t.EOS_TOKEN, t.STOP_TOKEN, t.STOP_STRING) \
+                or len(seq.generated) < 2 or not self.config.enable_prefix_caching:
+            return
+        if self.blocks.num_tokens(seq.request_id) != seq.prompt_len:
+            return  # tokens were recorded some other way; leave them
+        self.blocks.record_written(seq.request_id, seq.generated[:-1])
 
     def _is_live(self, seq: Sequence) -> bool:
         return self._live.get(seq.request_id) is seq

@@ -205,6 +205,20 @@ class BlockManager:
         req.block_table.extend(taken)
         return taken
 
+    def record_written(self, request_id: str, token_ids) -> None:
+        """Record tokens whose KV is already written in slots the table holds (``grow`` took
+        them): the tokens a sequence generated and fed back. Full blocks are sealed, so a later
+        request that repeats the whole text (the next turn of a chat) shares them. Raises
+        ValueError, recording nothing, when the table cannot hold them."""
+        req = self._get(request_id)
+        total = len(req.token_ids) + len(token_ids)
+        if total > len(req.block_table) * self._block_size:
+            raise ValueError(f"request {request_id!r}: {total} tokens do not fit its "
+                             f"{len(req.block_table)} blocks")
+        req.token_ids.extend(token_ids)
+        req.num_computed = max(req.num_computed, total)
+        self._seal_ready(req)
+
     def mark_computed(self, request_id: str, num_tokens: int) -> None:
         """Declare the KV of the first ``num_tokens`` tokens written; seals full blocks."""
         req = self._get(request_id)

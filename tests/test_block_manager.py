@@ -426,3 +426,21 @@ def test_randomized_stress():
         bm.free(rid)
     bm.check_integrity()
     assert bm.num_free_blocks == 16
+
+
+def test_record_written_seals_grown_blocks_for_the_next_prompt(bm):
+    """Tokens generated into blocks taken by grow (the decode worker's way) and recorded with
+    record_written are shared by a later prompt that repeats them; too many for the table is a
+    ValueError that records nothing."""
+    prompt = tokens(100, 6)
+    bm.allocate("a", prompt)
+    bm.mark_computed("a", 6)
+    bm.grow("a", 11)  # 3 blocks
+    with pytest.raises(ValueError, match="do not fit"):
+        bm.record_written("a", tokens(200, 7))
+    assert bm.num_tokens("a") == 6
+    bm.record_written("a", tokens(200, 5))  # 11 tokens written: blocks 0 and 1 sealed
+    table = bm.block_table("a")
+    bm.free("a")
+    again = bm.allocate("b", prompt + tokens(200, 5) + [7, 8])
+    assert again.num_cached_tokens == 8 and again.block_table[:2] == table[:2]

@@ -459,14 +459,15 @@ def test_kv_over_the_socket_or_the_stream_gives_transformers_tokens(
 
 
 def test_unreachable_prefill_falls_back_to_local_when_asked(decode, reference):
-    req = request("f", PROMPTS[1], 6)
+    fresh = list(range(9100, 9140))  # nothing of it cached, so the prefill worker is asked
+    req = request("f", fresh, 6)
     req.prefill_candidates.append("127.0.0.1:1")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         run(collect(decode.grpc, req))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     req.local_prefill_fallback = True
     events = run(collect(decode.grpc, req))
-    assert [e.token_id for e in events] == greedy(reference, PROMPTS[1], 6)
+    assert [e.token_id for e in events] == greedy(reference, fresh, 6)
     wait_for_idle(decode.grpc)
 
 
@@ -579,6 +580,21 @@ def test_chunked_prefill_and_a_cached_prefix_match_transformers(decode_chunked, 
         assert [e.token_id for e in events] == greedy(reference, ids, 10), i
         cached = events[-1].usage.cached_prompt_tokens
         assert cached == (0, 160, 192, 0)[i], (i, cached)
+
+
+def test_the_next_turn_finds_the_previous_answers_kv_in_the_prefix_cache(decode_chunked,
+                                                                        reference):
+    """A finished sequence's generated tokens (all but the last, whose KV was never written)
+    join the prefix cache: a prompt that repeats prompt + answer and goes on (a chat's next
+    turn) is cached through the answer's full blocks, and still gives transformers' tokens."""
+    prompt = list(range(7000, 7100))
+    answer = [e.token_id for e in run(collect(decode_chunked.grpc, request("turn1", prompt, 30)))]
+    assert answer == greedy(reference, prompt, 30)
+    turn2 = prompt + answer + list(range(8000, 8020))
+    events = run(collect(decode_chunked.grpc, request("turn2", turn2, max_tokens=10)))
+    assert [e.token_id for e in events] == greedy(reference, turn2, 10)
+    # 100 prompt + 29 fed-back answer tokens have KV: 8 full blocks of 16
+    assert events[-1].usage.cached_prompt_tokens == (100 + 29) // 16 * 16 == 128
 
 
 def _metric(server, name: str) -> float:
