@@ -22,6 +22,9 @@ log = logging.getLogger("decode_service")
 # 1.13x in 128-token pieces (each piece reads the weights again and runs its own call).
 DEFAULT_PREFILL_CHUNK_TOKENS = 256
 SMALLEST_DEFAULT_PIECE = 16  # --itl-target-ms's default piece sizes: 16, 32, ... then the chunk
+# Without a target: one smaller size, so a short piece (a cached prefix's remainder, a long
+# prompt's last piece) is not padded to the whole chunk (BENCHMARKS.md, serving, session 36)
+SHORT_PIECE = 64
 
 
 def default_piece_sizes(chunk: int) -> tuple[int, ...]:
@@ -96,10 +99,10 @@ def _add_local_prefill_args(p) -> None:
                    "their arrival (e.g. the TTFT SLO); default: pieces sized by the ITL target "
                    "alone")
     p.add_argument("--piece-sizes", type=parse_buckets, default=None, metavar="N,N,...",
-                   help="the piece lengths a local prefill may take beside running sequences "
-                   "(one mixed sub-model is built for each), ascending, ending at "
+                   help="the lengths a local prefill piece is padded to (one chunked-prefill "
+                   "and one mixed sub-model is built for each), ascending, ending at "
                    "--prefill-chunk-tokens; default with --itl-target-ms: 16, 32, 64, ... and "
-                   "--prefill-chunk-tokens, else --prefill-chunk-tokens alone")
+                   "--prefill-chunk-tokens, else 64 and --prefill-chunk-tokens")
 
 
 def build(args):
@@ -144,7 +147,11 @@ def _piece_sizes(args) -> tuple[int, ...] | None:
     chunk = args.prefill_chunk_tokens
     chunked = 0 < chunk < args.max_model_len
     if args.piece_sizes is None:
-        return default_piece_sizes(chunk) if args.itl_target_ms and chunked else None
+        if not chunked:
+            return None
+        if args.itl_target_ms:
+            return default_piece_sizes(chunk)
+        return (SHORT_PIECE, chunk) if chunk > SHORT_PIECE else None
     if not chunked:
         raise SystemExit(f"--piece-sizes needs local prefill in pieces: --prefill-chunk-tokens "
                          f"between 1 and --max-model-len - 1, got {chunk}")

@@ -5,7 +5,8 @@ NeuronConfig.prefill_chunk_size a third sub-model encodes a piece of a prompt th
 position 0 (several tokens with explicit position_ids), attending to the positions before it in
 the cache: chunked prefill, so a long prompt can be encoded between token-generation steps; and
 a fourth runs such a piece and a token-generation step together in one call (forward_mixed),
-reading the weights once for both."""
+reading the weights once for both. Both come in one size per NeuronConfig.mixed_chunk_buckets
+length (default: prefill_chunk_size alone); a piece runs in the smallest that holds it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ import torch.nn.functional as F
 
 from nxdi_common.application_base import NeuronApplicationBase
 from nxdi_common.models.base import GRAPH_INPUT_NAMES
-from nxdi_common.model_wrapper import (CHUNKED_PREFILL_MODEL_TAG, CONTEXT_ENCODING_MODEL_TAG,
-                                       TOKEN_GENERATION_MODEL_TAG, ModelWrapper, mixed_model_tag)
+from nxdi_common.model_wrapper import (CONTEXT_ENCODING_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG,
+                                       ModelWrapper, chunk_model_tag, mixed_model_tag)
 from nxdi_common.modules.sampling import SamplingRandomSource, sampling_params_from_config
 
 
@@ -47,18 +48,23 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                                                    TOKEN_GENERATION_MODEL_TAG, args)
         self.models = [self.context_encoding_model, self.token_generation_model]
         self.chunked_prefill_model = self.mixed_model = None
-        # the mixed sub-models by chunk length (NeuronConfig.mixed_chunk_buckets); mixed_model
-        # is the one for prefill_chunk_size
+        # the chunked-prefill and mixed sub-models by chunk length
+        # (NeuronConfig.mixed_chunk_buckets); chunked_prefill_model and mixed_model are the ones
+        # for prefill_chunk_size. A piece runs in the smallest that holds it.
+        self.chunk_models: dict[int, ModelWrapper] = {}
         self.mixed_models: dict[int, ModelWrapper] = {}
         nc = self.neuron_config
         if nc.prefill_chunk_size is not None:
-            self.chunked_prefill_model = ModelWrapper(self.config, self._model_cls,
-                                                      CHUNKED_PREFILL_MODEL_TAG, args)
+            sizes = nc.mixed_chunk_buckets or [nc.prefill_chunk_size]
+            self.chunk_models = {
+                c: ModelWrapper(self.config, self._model_cls, chunk_model_tag(c, nc), args, c)
+                for c in sizes}
             self.mixed_models = {
                 c: ModelWrapper(self.config, self._model_cls, mixed_model_tag(c, nc), args, c)
-                for c in nc.mixed_chunk_buckets or [nc.prefill_chunk_size]}
+                for c in sizes}
+            self.chunked_prefill_model = self.chunk_models[nc.prefill_chunk_size]
             self.mixed_model = self.mixed_models[nc.prefill_chunk_size]
-            self.models += [self.chunked_prefill_model, *self.mixed_models.values()]
+            self.models += [*self.chunk_models.values(), *self.mixed_models.values()]
         odsc = self.neuron_config.on_device_sampling_config
         self.random_source = SamplingRandomSource.from_config(odsc) if odsc else None
         self.kv_cache = None
@@ -273,11 +279,13 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def _run_chunk(self, input_ids, position_ids, seq_ids, sampling_params, slots, table,
                    rand=None):
         """One piece of one prompt: input_ids and position_ids [1, S], S <= prefill_chunk_size;
-        the positions before it must be in the cache (block_table). Samples from its last token."""
+        the positions before it must be in the cache (block_table). Samples from its last token.
+        Runs in the chunked-prefill sub-model of the smallest chunk length that holds S."""
         position_ids = self._chunk_positions(input_ids, position_ids)
         inputs = self._graph_inputs(input_ids, position_ids, seq_ids, sampling_params, slots,
                                     table, rand)
-        outputs = self.chunked_prefill_model(inputs, self.kv_cache, self.weights, self.scratch)
+        size = min(c for c in self.chunk_models if c >= position_ids.shape[1])
+        outputs = self.chunk_models[size](inputs, self.kv_cache, self.weights, self.scratch)
         self._advance(seq_ids, [row[-1] for row in position_ids.tolist()])
         self.kv_cache_populated = True
         return self._output(outputs)

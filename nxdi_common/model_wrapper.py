@@ -19,6 +19,15 @@ CHUNKED_PREFILL_MODEL_TAG = "chunked_prefill_model"
 MIXED_MODEL_TAG = "chunked_prefill_decode_model"
 
 
+def chunk_model_tag(chunk: int, neuron_config) -> str:
+    """The chunked-prefill sub-model's tag for pieces of `chunk` tokens (one per
+    NeuronConfig.mixed_chunk_buckets size, as the mixed ones): CHUNKED_PREFILL_MODEL_TAG for
+    prefill_chunk_size, else the tag with the length appended."""
+    if chunk == neuron_config.prefill_chunk_size:
+        return CHUNKED_PREFILL_MODEL_TAG
+    return f"{CHUNKED_PREFILL_MODEL_TAG}_{chunk}"
+
+
 def mixed_model_tag(chunk: int, neuron_config) -> str:
     """The mixed sub-model's tag for chunks of `chunk` tokens: MIXED_MODEL_TAG for
     prefill_chunk_size, else the tag with the length appended."""
@@ -43,18 +52,19 @@ class ModelWrapper:
 
     def __init__(self, config, model_cls, tag: str, compiler_args: str | None = None,
                  chunk: int | None = None):
-        """chunk: a mixed sub-model's chunk length (default prefill_chunk_size)."""
+        """chunk: a chunked-prefill or mixed sub-model's chunk length (default
+        prefill_chunk_size)."""
         self.config, self.neuron_config = config, config.neuron_config
         self.model_cls, self.tag, self.compiler_args = model_cls, tag, compiler_args
         self.is_context = tag == CONTEXT_ENCODING_MODEL_TAG
-        self.is_chunk = tag == CHUNKED_PREFILL_MODEL_TAG
+        self.is_chunk = tag.startswith(CHUNKED_PREFILL_MODEL_TAG)
         self.is_mixed = tag.startswith(MIXED_MODEL_TAG)
         nc = self.neuron_config
         # tokens per row of a call: the length bucket for context encoding, else static (for a
         # mixed call, the chunk's; its decode rows have one each)
         self.queries = 1
         if self.is_chunk or self.is_mixed:
-            self.queries = chunk if self.is_mixed and chunk else nc.prefill_chunk_size
+            self.queries = chunk or nc.prefill_chunk_size
         if self.is_context:
             self.length_buckets = bucketing.context_encoding_buckets(nc)
             self.batch_buckets = self._context_batch_buckets(nc)

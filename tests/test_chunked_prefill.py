@@ -171,6 +171,31 @@ def wide_heads_ckpt(tmp_path_factory):
 CHUNK_KERNELS = {64: "nxdi::paged_decode_attention", 4: "nxdi::chunk_attention"}
 
 
+def test_a_short_piece_alone_runs_in_the_smallest_chunk_model(tiny_llama_ckpt, tmp_path,
+                                                              compile_cache_dir, hf_logits):
+    """mixed_chunk_buckets [4, 8] also gives a chunked-prefill sub-model per length: a piece of
+    1-4 tokens with nothing beside it (a cached prefix's remainder) runs in the 4-token one, 5-8
+    in the 8-token one, with transformers' logits either way."""
+    config = chunk_config(mixed_chunk_buckets=[4, CHUNK])
+    model = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=config)
+    model.compile(tmp_path / "model")
+    model.load(tmp_path / "model")
+    artifacts = json.loads((tmp_path / "model" / MANIFEST).read_text())["artifacts"]
+    assert sorted(artifacts[CHUNKED_PREFILL_MODEL_TAG + "_4"]) == ["1x32", "1x64"]
+    assert (model.chunk_models[4].queries, model.chunked_prefill_model.queries) == (4, CHUNK)
+    used = []
+    for size, wrapper in model.chunk_models.items():
+        def counted(run, size=size):
+            return lambda *args: (used.append(size), run(*args))[1]
+        wrapper.runnables = {key: counted(run) for key, run in wrapper.runnables.items()}
+    for n, size in ((27, 4), (28, 4), (29, CHUNK)):
+        ids = prompt(n)
+        model.reset_kv_cache()
+        logits = encode_in_pieces(model, ids, 24, chunk=CHUNK)[0]  # one piece: 24..n-1
+        assert used[-1] == size
+        assert (logits - hf_logits(ids)).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("paged_max", sorted(CHUNK_KERNELS))
 def test_bf16_chunks_run_the_chunk_kernel_and_match_one_pass(wide_heads_ckpt, tmp_path,
                                                              compile_cache_dir, monkeypatch,

@@ -316,7 +316,12 @@ def test_piece_sizes_default_with_the_itl_target_and_bad_ones_are_refused(tiny_c
     args = main.parse_args(["--model", "m", "--prefill-chunk-tokens", "256",
                             "--itl-target-ms", "30"])
     assert main._piece_sizes(args) == (16, 32, 64, 128, 256)
-    assert main._piece_sizes(main.parse_args(["--model", "m"])) is None  # no target: the chunk
+    # no target: one short size and the chunk; no chunking: none
+    assert main._piece_sizes(main.parse_args(["--model", "m"])) == (64, 256)
+    assert main._piece_sizes(main.parse_args(["--model", "m", "--prefill-chunk-tokens", "64"])) \
+        is None
+    assert main._piece_sizes(main.parse_args(["--model", "m", "--prefill-chunk-tokens", "0"])) \
+        is None
     for extra, message in (
             (["--itl-target-ms", "0"], "--itl-target-ms must be > 0 milliseconds, got 0.0"),
             (["--piece-sizes", "4,8"], r"--piece-sizes must end at --prefill-chunk-tokens "
