@@ -65,6 +65,16 @@ def cached_kv(model, n: int) -> torch.Tensor:
     return flat[:, :, torch.tensor(slots(0, n))]
 
 
+def record_sizes(wrappers: dict) -> list[int]:
+    """A list that gets the chunk length of each call of these sub-models (by length)."""
+    used: list[int] = []
+    for size, wrapper in wrappers.items():
+        def counted(run, size=size):
+            return lambda *args: (used.append(size), run(*args))[1]
+        wrapper.runnables = {key: counted(run) for key, run in wrapper.runnables.items()}
+    return used
+
+
 @pytest.fixture(scope="module")
 def hf_logits(tiny_llama_ckpt):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_ckpt, torch_dtype=torch.float32)
@@ -183,11 +193,7 @@ def test_a_short_piece_alone_runs_in_the_smallest_chunk_model(tiny_llama_ckpt, t
     artifacts = json.loads((tmp_path / "model" / MANIFEST).read_text())["artifacts"]
     assert sorted(artifacts[CHUNKED_PREFILL_MODEL_TAG + "_4"]) == ["1x32", "1x64"]
     assert (model.chunk_models[4].queries, model.chunked_prefill_model.queries) == (4, CHUNK)
-    used = []
-    for size, wrapper in model.chunk_models.items():
-        def counted(run, size=size):
-            return lambda *args: (used.append(size), run(*args))[1]
-        wrapper.runnables = {key: counted(run) for key, run in wrapper.runnables.items()}
+    used = record_sizes(model.chunk_models)
     for n, size in ((27, 4), (28, 4), (29, CHUNK)):
         ids = prompt(n)
         model.reset_kv_cache()
@@ -349,11 +355,7 @@ def test_a_short_piece_runs_in_the_smallest_mixed_chunk_that_holds_it(tiny_llama
     buckets = ["1x32", "1x64", "2x32", "2x64", "4x32", "4x64"]
     assert sorted(artifacts[MIXED_MODEL_TAG]) == sorted(artifacts[MIXED_MODEL_TAG + "_4"]) == buckets
     assert (model.mixed_models[4].queries, model.mixed_model.queries) == (4, CHUNK)
-    used = []
-    for size, wrapper in model.mixed_models.items():
-        def counted(run, size=size):
-            return lambda *args: (used.append(size), run(*args))[1]
-        wrapper.runnables = {key: counted(run) for key, run in wrapper.runnables.items()}
+    used = record_sizes(model.mixed_models)
     live = [b for b in range(config.pa_num_blocks) if b != model.scratch[1]]
     for n, size in ((27, 4), (28, 4), (29, CHUNK)):
         (apart, apart_cache), (mixed, cache), _ = mixed_vs_apart(model, n, 24)
