@@ -161,6 +161,61 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return self._run_token_gen(input_ids, position_ids, seq_ids, sampling_params, slot_mapping,
                                    block_table, rand, rows)
 
+    @torch.no_grad()
+    def forward_hidden(self, input_ids, seq_ids=None, attention_mask=None, position_ids=None,
+                       slot_mapping=None, block_table=None) -> torch.Tensor:
+        """Encode prompts like forward() (context encoding from position 0, or a chunk of one
+        prompt past it, writing the KV cache the same way) and return every position's final
+        hidden state (after the final norm), [B, S, hidden], instead of sampling from the last
+        one: with lm_logits(), the log-probability of each prompt token given the ones before
+        it (prompt logprobs, scoring). Extension. Runs the model eagerly on the inputs the
+        bucket's graph would get (a rarely used path: no graph per bucket is compiled for it), so
+        it needs the model's weights on the host: not with the neuron backend. Rows come
+        right-aligned (each row's real tokens first, as forward() orders a left-padded batch)."""
+        if self.kv_cache is None:
+            raise RuntimeError("model is not loaded: call to_cpu(), or compile() then load()")
+        if self.backend is not None and self.backend.name == "neuron":
+            raise NotImplementedError("forward_hidden runs the model eagerly on the host; the "
+                                      "neuron backend keeps the weights on the device")
+        seq_ids = self._seq_ids(input_ids, seq_ids)
+        rows = None if position_ids is None else position_ids.tolist()
+        b, s = input_ids.shape
+        if rows is None or min(row[0] for row in rows) == 0:
+            ids, mask, lengths = right_align(input_ids, attention_mask)
+            if slot_mapping is not None:
+                slot_mapping = right_align(slot_mapping, attention_mask)[0]
+            self._check_token_ids(ids)
+            positions = torch.arange(ids.shape[1]).expand(b, ids.shape[1]).contiguous()
+            slots, table = self._block_indices(seq_ids, positions, mask, slot_mapping,
+                                               block_table)
+            params, rand = self._sampling_inputs(b, None, torch.zeros(b))
+            inputs = (ids, mask, positions, seq_ids, params, rand, slots, table)
+            hidden = self.context_encoding_model(inputs, self.kv_cache, self.weights,
+                                                 self.scratch, all_positions=True)
+            for row, length in zip(seq_ids.tolist(), lengths.tolist()):
+                self._next[row] = length
+            s = ids.shape[1]
+        else:
+            if attention_mask is not None and not bool(attention_mask.bool().all()):
+                raise ValueError("a prompt chunk has no padding: attention_mask must be all ones")
+            positions = self._chunk_positions(input_ids, position_ids)
+            inputs = self._graph_inputs(input_ids, positions, seq_ids, None, slot_mapping,
+                                        block_table, torch.zeros(b))
+            size = min(c for c in self.chunk_models if c >= s)
+            hidden = self.chunk_models[size](inputs, self.kv_cache, self.weights, self.scratch,
+                                             all_positions=True)
+            self._advance(seq_ids, [row[-1] for row in positions.tolist()])
+        self.kv_cache_populated = True
+        return hidden[0][:b, :s]
+
+    @torch.no_grad()
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [..., vocab] of final hidden states [..., hidden] (forward_hidden's),
+        by the model's LM head run eagerly. Extension."""
+        shape = hidden.shape
+        flat = hidden.reshape(1, -1, shape[-1])  # [1, N, hidden]: the LM head's graph shape
+        return self._model.lm_head(flat).float().reshape(*shape[:-1], -1)
+
     def _seq_ids(self, input_ids, seq_ids) -> torch.Tensor:
         if input_ids is None or input_ids.dim() != 2:
             raise ValueError("input_ids must be a [batch, seq] integer tensor")

@@ -162,16 +162,24 @@ class ModelWrapper:
         return run
 
     def __call__(self, inputs: tuple, kv_cache, weights, scratch: tuple[int, int],
-                 needed: int | None = None):
+                 needed: int | None = None, all_positions: bool = False):
         """Pad `inputs` (the 8 graph inputs, unpadded) to the chosen bucket, run, unpad. A mixed
         call's batch is its decode rows (block_table's rows after the chunk's); its outputs keep
         the chunk's row first. needed: the sequence length the bucket must hold (default: the
-        prompt's for context encoding, else the largest position + 1)."""
+        prompt's for context encoding, else the largest position + 1). all_positions (context
+        encoding and chunks): run the model eagerly, on the same padded inputs as the bucket's
+        graph, for every position's final hidden state (NeuronBaseModel.forward); its rows and
+        positions are those of the bucket (the caller takes the real ones)."""
         batch = inputs[7].shape[0] - 1 if self.is_mixed else inputs[0].shape[0]
         if needed is None:
             needed = inputs[0].shape[1] if self.is_context else int(inputs[2].max()) + 1
         key = self.select_bucket(batch, needed)
         pad = self._pad_mixed_inputs if self.is_mixed else self._pad_inputs
+        if all_positions:
+            if self.is_mixed:
+                raise ValueError("all_positions runs a context or a chunk, not a mixed call")
+            kw = {"kv_len": self.kv_len(key[1]), "all_positions": True}
+            return self.model(*pad(inputs, key, scratch), kv_cache, **kw)
         outputs = self.runnables[key](*pad(inputs, key, scratch), kv_cache, weights)
         rows = batch + 1 if self.is_mixed else batch
         if all(o.shape[0] == rows for o in outputs):  # the batch filled its bucket

@@ -37,7 +37,7 @@ class NeuronBaseModel(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params, rand,
                 slot_mapping, block_table, kv_cache, kv_len: int | None = None,
-                mixed: int | None = None):
+                mixed: int | None = None, all_positions: bool = False):
         """One graph call. input_ids/attention_mask/position_ids [B, S]; seq_ids [B];
         sampling_params [B, 3]; rand [B]; slot_mapping [B, S] and block_table [B, T/block] (block
         layout only); kv_cache is updated in place. kv_len None = context encoding, else token
@@ -51,7 +51,11 @@ class NeuronBaseModel(nn.Module):
         (right-padded; attention_mask marks them) then one token for each of R decode rows;
         block_table [1 + R, T/block] (the chunk's sequence first), seq_ids [1 + R],
         sampling_params [1 + R, 3], rand [1 + R]. Outputs have 1 + R rows: the chunk's last
-        token, then the decode rows."""
+        token, then the decode rows.
+
+        all_positions (not with mixed): return (hidden,), every position's final hidden state
+        after the final norm, [B, S, hidden], instead of the last token's logits and sample: what
+        scoring a prompt needs (NeuronBaseForCausalLM.forward_hidden). Never traced."""
         index = (seq_ids, position_ids, slot_mapping, block_table)
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, hidden.dtype)
@@ -59,6 +63,8 @@ class NeuronBaseModel(nn.Module):
         extra = {} if mixed is None else {"mixed": mixed}
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, mask, kv_cache, i, self.kv_mgr, index, kv_len, **extra)
+        if all_positions:
+            return (self.norm(hidden),)
         if mixed is None:
             hidden = self._last_token(hidden, attention_mask, kv_len)  # [B, 1, hidden]
         else:
