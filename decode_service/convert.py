@@ -10,8 +10,9 @@ from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
 from nxdi_common import kv_transfer
 from nxdi_common.serving import types as t
-from nxdi_common.serving.convert import (logprobs_from_proto, sampling_from_proto,
-                                         sampling_to_proto, stop_from_proto, token_to_proto)
+from nxdi_common.serving.convert import (logprobs_from_proto, prompt_logprobs_from_proto,
+                                         sampling_from_proto, sampling_to_proto,
+                                         stop_from_proto, token_to_proto)
 from nxdi_common.serving.errors import FailedPrecondition, InvalidRequest
 
 add_servicer = pb_grpc.add_DecodeServicer_to_server
@@ -51,7 +52,7 @@ def prefill_call(channel):
 
 def prefill_event(data: bytes):
     """The serialized PrefillEvent ``data`` as ("first_token", (token_id, logprob,
-    top_logprobs)) | ("kv_chunk", KVChunkData, its K and V views of ``data``) | ("kv_socket",
+    top_logprobs, prompt_logprobs)) | ("kv_chunk", KVChunkData, its K and V views of ``data``) | ("kv_socket",
     (port, token)) | ("done", None) | (None, None) when no event is set. FailedPrecondition
     when it is not a PrefillEvent."""
     chunk = kv_transfer.chunk_from_event_bytes(data)
@@ -65,7 +66,8 @@ def prefill_event(data: bytes):
     if kind == "first_token":
         ft = event.first_token
         logprob = ft.logprob if ft.HasField("logprob") else None
-        return kind, (ft.token_id, logprob, logprobs_from_proto(ft.top_logprobs))
+        return kind, (ft.token_id, logprob, logprobs_from_proto(ft.top_logprobs),
+                      prompt_logprobs_from_proto(ft.prompt_logprobs))
     if kind == "kv_chunk":
         return kind, kv_transfer.chunk_from_proto(event.kv_chunk)
     if kind == "kv_socket":

@@ -86,7 +86,8 @@ from nxdi_common.serving.rates import PrefillRate, moving_average
 from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
 from decode_service.sequence import Sequence
 from nxdi_common.serving.sampling import (host_logits, model_global_topk, request_generator,
-                                          resample_on_host, sample_row, token_logprobs)
+                                          resample_on_host, sample_row, score_positions,
+                                          token_logprobs)
 from nxdi_common.serving.detokenize import OutputText
 
 log = logging.getLogger(__name__)
@@ -392,7 +393,7 @@ class DecodeEngine:
         in its call (then the step is done)."""
         seq, start, end = piece
         self._local.remove(seq)
-        batch = self._next_batch() if self._mixes(start, end) else []
+        batch = self._next_batch() if not seq.scored and self._mixes(start, end) else []
         began = time.perf_counter()
         if not batch:
             self._guarded(self._prefill_piece, [seq], piece)
@@ -592,7 +593,8 @@ class DecodeEngine:
         n = seq.prompt_len
         if self.chunk is None:
             return 0, n  # one context encoding; a cached prefix is computed again, not written
-        start = seq.prefilled or seq.num_cached_tokens  # the cached prefix is read, not computed
+        # the cached prefix is read, not computed (a prompt to score is computed whole)
+        start = seq.prefilled or (0 if seq.scored else seq.num_cached_tokens)
         return start, min(n, start + (size or self.chunk))
 
     def _piece_args(self, seq: Sequence, start: int, end: int) -> dict:
@@ -608,9 +610,25 @@ class DecodeEngine:
 
     @torch.no_grad()
     def _prefill_piece(self, piece: tuple[Sequence, int, int]) -> None:
-        """A piece of a sequence's prompt (a model call of its own)."""
+        """A piece of a sequence's prompt (a model call of its own); a prompt to score
+        (prompt_logprobs) runs for every position's hidden state (forward_hidden, eager) and
+        its first token is sampled on the host as the device would (sample_row)."""
         seq, start, end = piece
-        self._piece_done(seq, end, self.model.forward(**self._piece_args(seq, start, end)))
+        args = self._piece_args(seq, start, end)
+        if not seq.scored:
+            self._piece_done(seq, end, self.model.forward(**args))
+            return
+        # every position's hidden state: the piece scores the prompt token after each of its
+        # positions (the last piece's last position gives the first token's logits instead)
+        hidden = self.model.forward_hidden(
+            args["input_ids"], seq_ids=args["seq_ids"], position_ids=args["position_ids"],
+            slot_mapping=args["slot_mapping"], block_table=args["block_table"])
+        scores, last = score_positions(self.model, hidden[0],
+                                       seq.job.prompt_ids[start + 1:end + 1],
+                                       seq.job.sampling.prompt_logprobs)
+        seq.prompt_logprobs = (*seq.prompt_logprobs, *scores)
+        token = sample_row(last, seq.job.sampling, seq.last_uniform, self.global_topk)
+        self._piece_done(seq, end, CausalLMOutput(logits=last[None], tokens=torch.tensor([token])))
 
     @torch.no_grad()
     def _mixed_step(self, arg: tuple[tuple[Sequence, int, int], list[Sequence]]) -> None:

@@ -128,7 +128,8 @@ class KVPuller:
         """Emit the first token (once per sequence); True if it ends the sequence."""
         if not seq.generated:
             seq.draw_uniform()  # the prefill worker used this request's first uniform
-            token_id, logprob, top = data
+            token_id, logprob, top, prompt_scores = data
+            seq.prompt_logprobs = prompt_scores
             seq.add_token(token_id, logprob, top)
         return seq.finished
 

@@ -39,6 +39,9 @@ class Sequence:
     last_uniform: float = 0.0  # draw_uniform's last draw
     # the structured-output constraint (structured.TokenConstraint), fed every token; None: free
     constraint: object = None
+    # the prompt's scores (prompt_logprobs), sent with the first token: from the prefill
+    # worker, or gathered piece by piece by a local prefill
+    prompt_logprobs: tuple = ()
 
     @property
     def request_id(self) -> str:
@@ -47,6 +50,11 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.job.prompt_ids)
+
+    @property
+    def scored(self) -> bool:
+        """The request scores its prompt (prompt_logprobs)."""
+        return self.job.sampling.prompt_logprobs is not None
 
     @property
     def finished(self) -> bool:
@@ -87,8 +95,10 @@ class Sequence:
             if self.text.stopped and reason == t.LENGTH:
                 reason = t.STOP_STRING
         self.finish_reason = reason
-        self.emit(t.TokenOutput(self.request_id, token_id, len(self.generated) - 1, text,
-                                logprob, tuple(top_logprobs), reason, self._usage(reason)))
+        index = len(self.generated) - 1
+        self.emit(t.TokenOutput(self.request_id, token_id, index, text, logprob,
+                                tuple(top_logprobs), reason, self._usage(reason),
+                                tuple(self.prompt_logprobs) if index == 0 else ()))
 
     def fail(self, exc: Exception) -> None:
         """End the sequence with an error; the request's stream ends with its status."""

@@ -87,11 +87,13 @@ class DecodeServicer(convert.DecodeServicerBase):
         holds all but a few of its tokens, and at least as many as it lacks: a prefill worker
         would compute the whole prompt again (it keeps no cache), here only the rest is
         computed. (The second condition keeps a short chat that shares only the chat
-        template's first block with others on the prefill worker.)"""
+        template's first block with others on the prefill worker.) A prompt to score
+        (prompt_logprobs) is computed whole wherever it runs: its cache counts for nothing."""
         if not seq.job.prefill_candidates or seq.prompt_len <= self.local_max:
             return True
-        uncached = seq.prompt_len - seq.num_cached_tokens
-        return uncached <= min(self.local_uncached_max, seq.num_cached_tokens)
+        cached = 0 if seq.scored else seq.num_cached_tokens
+        uncached = seq.prompt_len - cached
+        return uncached <= min(self.local_uncached_max, cached)
 
     async def _pull(self, seq, events: asyncio.Queue) -> None:
         try:

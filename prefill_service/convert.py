@@ -7,7 +7,8 @@ import grpc
 
 from nxdi_common import kv_transfer
 from nxdi_common.kv_transfer import KVChunkData, ModelFingerprint
-from nxdi_common.serving.convert import logprobs_to_proto, sampling_from_proto
+from nxdi_common.serving.convert import (logprobs_to_proto, prompt_logprobs_to_proto,
+                                         sampling_from_proto)
 from nxdi_common.serving.errors import FailedPrecondition
 from nxdi_common.serving.types import PrefillJob
 from prefill_service.scheduler import FirstTokenResult, LoadReport
@@ -64,6 +65,8 @@ def first_token_event(first: FirstTokenResult) -> serving_pb2.PrefillEvent:
     if first.logprob is not None:
         msg.logprob = first.logprob
     msg.top_logprobs.extend(logprobs_to_proto(first.top_logprobs))
+    if first.prompt_logprobs:
+        msg.prompt_logprobs.extend(prompt_logprobs_to_proto(first.prompt_logprobs))
     return serving_pb2.PrefillEvent(first_token=msg)
 
 

@@ -30,10 +30,11 @@ from nxdi_common import bucketing
 from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving.errors import Overloaded, Unavailable
 from nxdi_common.serving.rates import PrefillRate
+from nxdi_common.application import CausalLMOutput
 from nxdi_common.serving.sampling import (host_logits, model_global_topk, next_uniform,
                                           request_generator, resample_on_host, sample_row,
-                                          token_logprobs)
-from nxdi_common.serving.types import PrefillJob, TokenLogprob
+                                          score_positions, token_logprobs)
+from nxdi_common.serving.types import PrefillJob, PromptLogprob, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class FirstTokenResult:
     logprob: float | None = None  # set when the request asked for logprobs
     top_logprobs: tuple[TokenLogprob, ...] = ()
     compute_ns: int = 0  # wall time of the CTE batch that encoded the prompt
+    # the prompt's scores when the request asked for them (SamplingOptions.prompt_logprobs)
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
 
 
 @dataclass
@@ -201,8 +204,12 @@ def run_batch(model, batch: list[PrefillTask]) -> list[PrefillOutput]:
     ids, mask, positions, params, rand = batch_inputs(jobs)
     rows = torch.arange(len(batch), dtype=torch.int32)  # [B] cache rows as seq_ids
     start = time.perf_counter_ns()
-    out = model.forward(ids, seq_ids=rows, attention_mask=mask, position_ids=positions,
-                        sampling_params=params, rand=rand)
+    scores = [()] * len(batch)
+    if any(j.sampling.prompt_logprobs is not None for j in jobs):
+        out, scores = _scored(model, batch, ids, mask, positions, rows, rand)
+    else:
+        out = model.forward(ids, seq_ids=rows, attention_mask=mask, position_ids=positions,
+                            sampling_params=params, rand=rand)
     compute_ns = time.perf_counter_ns() - start
     results = []
     for i, task in enumerate(batch):
@@ -214,8 +221,31 @@ def run_batch(model, batch: list[PrefillTask]) -> list[PrefillOutput]:
             token = sample_row(logits, sampling, float(rand[i]), model_global_topk(model))
         logprob, top = token_logprobs(logits, token, sampling)
         k, v = copy_kv(model.kv_cache, i, (task.job.kv_token_start, task.num_tokens), task.heads)
-        results.append(PrefillOutput(FirstTokenResult(token, logprob, top, compute_ns), k, v))
+        results.append(PrefillOutput(
+            FirstTokenResult(token, logprob, top, compute_ns, tuple(scores[i])), k, v))
     return results
+
+
+def _scored(model, batch: list[PrefillTask], ids, mask, positions, rows, rand):
+    """A batch with a request that scores its prompt (prompt_logprobs): every position's final
+    hidden state (forward_hidden, eager), each row's last logits and first token sampled on the
+    host as the device sampler would (sample_row, the row's uniform), and the scores of the
+    rows that asked. (CausalLMOutput, per-row scores)."""
+    hidden = model.forward_hidden(ids, seq_ids=rows, attention_mask=mask, position_ids=positions)
+    scores, logits = [], []
+    for i, task in enumerate(batch):
+        n, top = task.num_tokens, task.job.sampling.prompt_logprobs
+        if top is None:
+            scores.append(())
+            logits.append(model.lm_logits(hidden[i, n - 1]))
+        else:
+            row_scores, last = score_positions(model, hidden[i, :n], task.job.prompt_ids[1:], top)
+            scores.append(row_scores)
+            logits.append(last)
+    topk = model_global_topk(model)
+    tokens = [sample_row(lg, task.job.sampling, float(rand[i]), topk)
+              for i, (lg, task) in enumerate(zip(logits, batch))]
+    return CausalLMOutput(logits=torch.stack(logits), tokens=torch.tensor(tokens)), scores
 
 
 def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:

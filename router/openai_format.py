@@ -1,9 +1,17 @@
 """OpenAI response shapes: completion and chat responses, their streaming chunks, logprobs,
-usage, finish reasons and the model card. Pure functions of the tokens a decode worker streamed."""
+usage, finish reasons and the model card. Pure functions of the tokens a decode worker streamed.
+
+Prompt scores (the first token's ``prompt_logprobs``): vLLM's ``prompt_logprobs`` list (None for
+the first prompt token, then {token id: {logprob, rank, decoded_token}} with the prompt token
+and its alternatives), per choice on /v1/completions and once per response on chat; and the
+completions ``echo``: the prompt's text before the completion's, and with ``logprobs`` its tokens
+before the completion's in every logprobs list (token_logprobs and top_logprobs None for the
+first prompt token, as OpenAI's)."""
 from __future__ import annotations
 
 import json
 import time
+from itertools import accumulate
 
 import grpc
 
@@ -73,6 +81,7 @@ class Formatter:
         self.created = int(time.time())
         self.logprobs = routed.sampling.logprobs
         self.include_usage = body.include_usage
+        self.prompt_logprobs = body.prompt_logprobs is not None  # vLLM's list asked for
         self._outs: list[list[TokenOutput]] = [[] for _ in range(self.n)]
 
     def _envelope(self, obj: str, choices: list) -> dict:
@@ -101,18 +110,43 @@ class Formatter:
         if not self.include_usage:
             return []
         body = self._envelope(self.chunk_object_name, [])
-        body["usage"] = usage(self.prompts, self._outs)
+        body["usage"] = self._usage(self._outs)
         return [body]
 
     def response(self, choices: list[list[TokenOutput]]) -> dict:
         """The non-streaming response: each choice's tokens."""
         body = self._envelope(self.object_name,
                               [self._full_choice(outs, i) for i, outs in enumerate(choices)])
-        body["usage"] = usage(self.prompts, choices)
+        body["usage"] = self._usage(choices)
         return body
+
+    def _usage(self, choices: list[list[TokenOutput]]) -> dict:
+        return usage(self.prompts, choices)
 
     def _token_text(self, token_id: int, text: str = "") -> str:
         return text or self.frontend.token_text(token_id)
+
+    def _prompt_of(self, index: int) -> int:
+        """The prompt choice ``index`` answers."""
+        return index // (self.n // len(self.prompts))
+
+    def _scores(self, outs: list[TokenOutput]) -> tuple[t.PromptLogprob, ...]:
+        """The prompt's scores, which ride on a choice's first token."""
+        return outs[0].prompt_logprobs if outs else ()
+
+    def _vllm_prompt_logprobs(self, outs: list[TokenOutput]) -> list:
+        """vLLM's prompt_logprobs: None, then per prompt token {id: {logprob, rank,
+        decoded_token}} for the token and its alternatives (module doc)."""
+        listed: list = [None]
+        for s in self._scores(outs):
+            entry = {str(s.token_id): {"logprob": s.logprob, "rank": s.rank,
+                                       "decoded_token": self._token_text(s.token_id)}}
+            for rank, alt in enumerate(s.top_logprobs, 1):
+                entry.setdefault(str(alt.token_id), {
+                    "logprob": alt.logprob, "rank": rank,
+                    "decoded_token": self._token_text(alt.token_id, alt.text)})
+            listed.append(entry)
+        return listed
 
     def _delta_choice(self, out: TokenOutput, index: int) -> dict:
         raise NotImplementedError
@@ -129,6 +163,11 @@ class CompletionFormatter(Formatter):
     def __init__(self, frontend, routed, body, n: int = 1, prompts=None):
         super().__init__(frontend, routed, body, n, prompts)
         self._offsets = [0] * self.n  # each choice's text so far
+        self.echo = bool(body.echo)
+        # max_tokens 0 with echo: the prompt alone (the one token generated is not returned)
+        self.echo_only = self.echo and body.max_tokens == 0
+        self._prompt_texts = [p if isinstance(p, str) else frontend.tokenizer.decode(list(p))
+                              for p in body.prompts] if self.echo else []
 
     def _logprobs(self, outs: list[TokenOutput], offset: int) -> dict | None:
         if not self.logprobs:
@@ -143,17 +182,61 @@ class CompletionFormatter(Formatter):
                                   for x in o.top_logprobs} for o in outs],
                 "text_offset": offsets}
 
+    def _echoed(self, index: int, outs: list[TokenOutput]) -> tuple[str, dict | None]:
+        """The prompt's part of an echoed choice: its text, and with logprobs its tokens, their
+        scores (None for the first) and their offsets in the text."""
+        p = self._prompt_of(index)
+        text = self._prompt_texts[p]
+        if not self.logprobs:
+            return text, None
+        ids = self.prompts[p].prompt_ids
+        scores = list(self._scores(outs))[:len(ids) - 1]
+        scores += [None] * (len(ids) - 1 - len(scores))
+        tokens = [self._token_text(i) for i in ids]
+        tops = [None] + [None if s is None else {
+            self._token_text(s.token_id): s.logprob,
+            **{self._token_text(x.token_id, x.text): x.logprob
+               for x in s.top_logprobs if x.token_id != s.token_id}} for s in scores]
+        return text, {"tokens": tokens,
+                      "token_logprobs": [None] + [None if s is None else s.logprob
+                                                  for s in scores],
+                      "top_logprobs": tops,
+                      "text_offset": list(accumulate([0] + [len(x) for x in tokens[:-1]]))}
+
+    def _choice(self, index: int, outs: list[TokenOutput], offset: int, echo: bool,
+                reason: str | None) -> dict:
+        """A choice (or a stream's delta) of the tokens ``outs``, their text at ``offset`` of
+        the choice's; ``echo``: the prompt first."""
+        gen = [] if self.echo_only else outs
+        text, logprobs = "".join(o.text for o in gen), self._logprobs(gen, offset)
+        if echo:
+            prompt_text, prompt_part = self._echoed(index, outs)
+            text = prompt_text + text
+            if prompt_part is not None:
+                after = self._logprobs(gen, offset + len(prompt_text))
+                logprobs = {key: prompt_part[key] + value for key, value in after.items()}
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": "length" if self.echo_only and reason else reason}
+
     def _delta_choice(self, out: TokenOutput, index: int) -> dict:
-        choice = {"index": index, "text": out.text,
-                  "logprobs": self._logprobs([out], self._offsets[index]),
-                  "finish_reason": finish_reason(out.finish_reason)}
-        self._offsets[index] += len(out.text)
+        echo = self.echo and out.index == 0
+        choice = self._choice(index, [out], self._offsets[index], echo,
+                              finish_reason(out.finish_reason))
+        self._offsets[index] += len(choice["text"])
         return choice
 
     def _full_choice(self, outs: list[TokenOutput], index: int) -> dict:
-        return {"index": index, "text": "".join(o.text for o in outs),
-                "logprobs": self._logprobs(outs, 0),
-                "finish_reason": finish_reason(outs[-1].finish_reason if outs else None)}
+        choice = self._choice(index, outs, 0, self.echo,
+                              finish_reason(outs[-1].finish_reason if outs else None))
+        if self.prompt_logprobs:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(outs)
+        return choice
+
+    def _usage(self, choices: list[list[TokenOutput]]) -> dict:
+        body = usage(self.prompts, choices)
+        if self.echo_only:  # the token generated for it is not part of the answer
+            body["completion_tokens"], body["total_tokens"] = 0, body["prompt_tokens"]
+        return body
 
 
 class ChatFormatter(Formatter):
@@ -209,6 +292,12 @@ class ChatFormatter(Formatter):
                 reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "message": message, "logprobs": self._logprobs(outs),
                 "finish_reason": reason}
+
+    def response(self, choices: list[list[TokenOutput]]) -> dict:
+        body = super().response(choices)
+        if self.prompt_logprobs:  # one prompt: vLLM puts its scores beside the choices
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(choices[0] if choices else [])
+        return body
 
     def token_chunks(self, out: TokenOutput, index: int = 0) -> list[dict]:
         """With tools: the content and calls this token settles, one chunk each (router/tools.py;

@@ -3,9 +3,14 @@ a :class:`~router.frontend.RoutedRequest`.
 
 Parsing is pydantic (strict types: ``"5"`` is not a number); every refusal becomes an
 ``InvalidRequest`` naming the parameter as the client spelled it. Parameters OpenAI defines but
-this server does not implement (``best_of``, ``echo``, ``suffix``, the deprecated ``functions``,
+this server does not implement (``best_of``, ``suffix``, the deprecated ``functions``,
 ...) are refused by name unless they carry their no-op default; unknown parameters are refused
 too, as OpenAI does. ``tools`` / ``tool_choice``: router/tools.py.
+Prompt scores: vLLM's ``prompt_logprobs`` (both endpoints, not streamed) and the completions
+``echo`` (the prompt's text, and with ``logprobs`` its tokens' log-probabilities, before the
+completion's; with ``max_tokens`` 0 the prompt alone, which is what lm-evaluation-harness's
+loglikelihood requests send) ask the workers to score the prompt (SamplingOptions.
+prompt_logprobs); router/openai_format.py shapes the answer.
 ``n`` choices (at most MAX_CHOICES) are ``n`` requests the gateway sends and merges
 (router/openai_api.py)."""
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from nxdi_common.serving.errors import InvalidRequest
-from nxdi_common.serving.types import SamplingOptions, StopOptions, StructuredOutput
+from nxdi_common.serving.types import (MAX_TOP_LOGPROBS, SamplingOptions, StopOptions,
+                                       StructuredOutput)
 from router.frontend import ChatTurn, ModelFrontend, RoutedRequest
 from router.tools import ToolRequest, message_tool_calls, parse_tools
 
@@ -27,16 +33,16 @@ MAX_CHOICES = 16  # n
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 # Parameter -> the values it may carry here (null is always allowed): anything else is refused.
 NO_OP_VALUES: dict[str, tuple] = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "suffix": ("",),
     "functions": ([],), "function_call": ("none",),
     "modalities": (["text"],), "audio": (),
     "prediction": (), "web_search_options": (), "reasoning_effort": (),
 }
-COMPLETIONS_EXTRAS = ("best_of", "echo", "suffix")
+COMPLETIONS_EXTRAS = ("best_of", "suffix")
 # structured_outputs (vLLM's extension): exactly one of these keys -> StructuredOutput kind
 STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
                    "grammar": "lark_grammar"}
-CHAT_EXTRAS = tuple(k for k in NO_OP_VALUES if k not in ("best_of", "echo", "suffix"))
+CHAT_EXTRAS = tuple(k for k in NO_OP_VALUES if k not in ("best_of", "suffix"))
 
 
 class _Strict(BaseModel):
@@ -73,6 +79,8 @@ class _Common(_Strict):
     # structured_outputs extension ({"json" | "regex" | "choice" | "grammar": ...})
     response_format: dict | None = None
     structured_outputs: dict | None = None
+    # vLLM's: score the prompt with this many alternatives a position (module doc)
+    prompt_logprobs: int | None = None
     user: str | None = None  # accepted and ignored
     # Accepted and ignored (OpenAI bookkeeping that changes nothing here):
     store: bool | None = None
@@ -99,6 +107,7 @@ class CompletionRequest(_Common):
 
     prompt: Any
     logprobs: int | None = None
+    echo: bool | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -245,7 +254,22 @@ def _stop_options(body: _Common, max_tokens: int | None) -> StopOptions:
                        min_tokens=body.min_tokens or 0)
 
 
-def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> SamplingOptions:
+def _prompt_logprobs(body: _Common, implied: int | None = None) -> int | None:
+    """The prompt scores asked for: prompt_logprobs, else ``implied`` (echo with logprobs);
+    refused with a stream (the scores come whole, as vLLM's)."""
+    if body.prompt_logprobs is None:
+        return implied
+    if type(body.prompt_logprobs) is not int or not 0 <= body.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}] "
+                                                f"(alternatives per prompt position), got "
+                                                f"{body.prompt_logprobs!r}")
+    if body.stream:
+        raise InvalidRequest("prompt_logprobs", "is not available when stream is true")
+    return body.prompt_logprobs
+
+
+def _sampling(body: _Common, logprobs: bool, top_logprobs: int,
+              prompt_logprobs: int | None = None) -> SamplingOptions:
     return SamplingOptions(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=-1 if body.top_k is None else body.top_k,
@@ -255,7 +279,8 @@ def _sampling(body: _Common, logprobs: bool, top_logprobs: int) -> SamplingOptio
         frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
         logit_bias=_logit_bias(body.logit_bias), structured=structured_output(body),
         min_p=0.0 if body.min_p is None else body.min_p,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty)
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        prompt_logprobs=prompt_logprobs)
 
 
 def _logit_bias(value: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -377,8 +402,15 @@ def completion_to_routed(body: CompletionRequest, frontend: ModelFrontend,
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise InvalidRequest("logprobs", f"must be an integer in [0, {MAX_COMPLETION_LOGPROBS}],"
                                          f" got {body.logprobs!r}")
-    sampling = _sampling(body, body.logprobs is not None, body.logprobs or 0)
+    implied = body.logprobs if body.echo else None  # echo's prompt tokens get logprobs too
+    sampling = _sampling(body, body.logprobs is not None, body.logprobs or 0,
+                         _prompt_logprobs(body, implied))
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    if max_tokens == 0:
+        if not body.echo:
+            raise InvalidRequest("max_tokens", "must be an integer >= 1, got 0 (0 only with "
+                                               "echo: the prompt alone)")
+        max_tokens = 1  # the prompt alone: one token is generated and not returned
     stop = _stop_options(body, max_tokens)
     sampling.validate()
     stop.validate()
@@ -424,7 +456,8 @@ def chat_to_routed(body: ChatRequest, frontend: ModelFrontend, request_id: str =
     choices(body)
     frontend.check_model(body.model)
     _check_stream_options(body)
-    sampling = _sampling(body, bool(body.logprobs), body.top_logprobs or 0)
+    sampling = _sampling(body, bool(body.logprobs), body.top_logprobs or 0,
+                         _prompt_logprobs(body))
     constraint = tools.constraint() if tools is not None else None
     if constraint is not None:
         sampling = dataclasses.replace(sampling, structured=constraint)

@@ -26,7 +26,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> t.SamplingOptions:
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         structured=structured_from_proto(msg),
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-        min_p=msg.min_p).validate()
+        min_p=msg.min_p,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+    ).validate()
 
 
 def structured_from_proto(msg: pb.SamplingParams) -> t.StructuredOutput | None:
@@ -49,6 +51,8 @@ def sampling_to_proto(s: t.SamplingOptions) -> pb.SamplingParams:
                             min_p=s.min_p)
     if s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     so = s.structured
     if so is not None:
         if so.kind == "choice":
@@ -80,10 +84,23 @@ def logprobs_from_proto(items) -> tuple[t.TokenLogprob, ...]:
     return tuple(t.TokenLogprob(x.token_id, x.logprob, x.text) for x in items)
 
 
+def prompt_logprobs_to_proto(items) -> list[pb.PromptTokenLogprob]:
+    return [pb.PromptTokenLogprob(token_id=x.token_id, logprob=x.logprob, rank=x.rank,
+                                  top_logprobs=logprobs_to_proto(x.top_logprobs))
+            for x in items]
+
+
+def prompt_logprobs_from_proto(items) -> tuple[t.PromptLogprob, ...]:
+    return tuple(t.PromptLogprob(x.token_id, x.logprob, x.rank,
+                                 logprobs_from_proto(x.top_logprobs)) for x in items)
+
+
 def token_to_proto(out: t.TokenOutput) -> pb.TokenEvent:
     event = pb.TokenEvent(request_id=out.request_id, token_id=out.token_id, text=out.text,
                           logprob=out.logprob, top_logprobs=logprobs_to_proto(out.top_logprobs),
                           index=out.index, finish_reason=FINISH_TO_PROTO[out.finish_reason])
+    if out.prompt_logprobs:
+        event.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
     if out.usage is not None:
         event.usage.CopyFrom(pb.Usage(prompt_tokens=out.usage.prompt_tokens,
                                       completion_tokens=out.usage.completion_tokens,
@@ -100,4 +117,5 @@ def token_from_proto(event: pb.TokenEvent) -> t.TokenOutput:
         request_id=event.request_id, token_id=event.token_id, index=event.index, text=event.text,
         logprob=event.logprob if event.HasField("logprob") else None,
         top_logprobs=logprobs_from_proto(event.top_logprobs),
-        finish_reason=FINISH_FROM_PROTO.get(event.finish_reason), usage=usage)
+        finish_reason=FINISH_FROM_PROTO.get(event.finish_reason), usage=usage,
+        prompt_logprobs=prompt_logprobs_from_proto(event.prompt_logprobs))

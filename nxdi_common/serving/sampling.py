@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from nxdi_common.serving.types import SamplingOptions, TokenLogprob
+from nxdi_common.serving.types import PromptLogprob, SamplingOptions, TokenLogprob
 
 LOGPROB_FLOOR = -9999.0  # the logprob reported for an impossible token (token_logprobs)
+# prompt positions per LM-head pass when scoring a prompt (score_positions): bounds the float32
+# logits held at once (256 x a 49152-token vocabulary: 50 MB)
+SCORE_ROWS = 256
 
 
 def request_generator(seed: int | None) -> torch.Generator:
@@ -134,3 +137,34 @@ def token_logprobs(logits: torch.Tensor, token_id: int, sampling: SamplingOption
                                  tokenizer.decode([int(i)]) if tokenizer else "")
                     for v, i in zip(values, ids))
     return max(float(logp[token_id]), LOGPROB_FLOOR), top
+
+
+def score_positions(model, hidden: torch.Tensor, next_ids, top: int
+                    ) -> tuple[list[PromptLogprob], torch.Tensor]:
+    """Prompt scores from final hidden states (NeuronBaseForCausalLM.forward_hidden): hidden
+    [N, hidden] of N consecutive prompt positions, next_ids the prompt token at each following
+    position (N of them, or N - 1 when the last position is the prompt's last). Returns each
+    next token's PromptLogprob under the raw distribution (log_softmax of the logits: no
+    temperature, penalty or bias), rank and `top` alternatives, and the last position's logits
+    [vocab] float32 (the first generated token is sampled from them). The LM head runs
+    SCORE_ROWS positions at a time."""
+    scores: list[PromptLogprob] = []
+    last = None
+    for a in range(0, hidden.shape[0], SCORE_ROWS):
+        logits = model.lm_logits(hidden[a:a + SCORE_ROWS])  # [n, vocab] float32
+        last = logits[-1]
+        ids = list(next_ids[a:a + logits.shape[0]])
+        if not ids:
+            continue
+        logp = torch.log_softmax(logits[:len(ids)], dim=-1)
+        target = torch.tensor(ids, dtype=torch.long)
+        chosen = logp.gather(1, target[:, None])  # [m, 1]
+        ranks = (logp > chosen).sum(-1) + 1
+        alternatives = [()] * len(ids)
+        if top:
+            values, alt = torch.topk(logp, min(top, logp.shape[-1]))
+            alternatives = [tuple(TokenLogprob(i, max(v, LOGPROB_FLOOR)) for v, i in zip(vs, ix))
+                            for vs, ix in zip(values.tolist(), alt.tolist())]
+        scores += [PromptLogprob(i, max(lp, LOGPROB_FLOOR), r, alts) for i, lp, r, alts in
+                   zip(ids, chosen[:, 0].tolist(), ranks.tolist(), alternatives)]
+    return scores, last

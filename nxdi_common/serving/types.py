@@ -97,6 +97,10 @@ class SamplingOptions:
     # most likely one are dropped (0: none). Both on the host, every token the first included.
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    # Score the prompt (vLLM's prompt_logprobs): each prompt token after the first gets its
+    # log-probability given the tokens before it under the raw distribution, its rank, and this
+    # many alternatives (0: none); None: no prompt scores.
+    prompt_logprobs: int | None = None
 
     def validate(self) -> SamplingOptions:
         t, p = self.temperature, self.top_p
@@ -115,6 +119,13 @@ class SamplingOptions:
                                                  f"got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs", "requires logprobs to be true")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+                or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest("prompt_logprobs", f"must be an integer in [0, "
+                                                    f"{MAX_TOP_LOGPROBS}] (alternatives per "
+                                                    f"prompt position), got "
+                                                    f"{self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -248,8 +259,20 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """The score of one prompt token (SamplingOptions.prompt_logprobs): its log-probability
+    given the tokens before it, its rank (1 = the most likely), and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenOutput:
-    """One generated token. finish_reason and usage are set on the last one only."""
+    """One generated token. finish_reason and usage are set on the last one only; the first
+    carries the prompt's scores when the request asked for them."""
 
     request_id: str
     token_id: int
@@ -259,6 +282,7 @@ class TokenOutput:
     top_logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
