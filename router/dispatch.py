@@ -6,7 +6,12 @@ tries the next. When every worker refused, the request waits its turn in the adm
 (router/admission.py) and tries again as room comes; it is shed with Overloaded (HTTP 429) when
 none comes within the queue's timeout (at once with --queue-timeout-seconds 0).
 Whatever ends the stream early (the client going away, a deadline, an error) cancels the
-downstream call: no decode call is ever left running for a caller that stopped listening."""
+downstream call: no decode call is ever left running for a caller that stopped listening.
+
+Every request ends with one line on the ``router.requests`` logger (INFO; the router's
+--no-request-log turns it off): its id, outcome (ok, cancelled, rejected, error), decode worker,
+prompt / cached / output tokens, finish reason, time to first token and end-to-end latency, and
+the error when there was one. Text never appears in it."""
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +29,7 @@ from router.frontend import RoutedRequest
 from router.policies import DECODE, PREFILL, LocalPrefillRule, WorkerState
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger("router.requests")
 HTTP_FOR_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
@@ -49,13 +55,14 @@ class _Tracker:
     outcome; and the queue depth (requests waiting for their first token)."""
 
     def __init__(self, metrics, prompt_tokens: int, started: float):
-        self.metrics, self.started, self.last = metrics, started, None
+        self.metrics, self.started, self.last, self.first = metrics, started, None, None
         self.prompt_tokens, self.tokens = prompt_tokens, 0
         metrics.queue_depth_requests.inc()
 
     def token(self) -> None:
         now = time.monotonic()
         if self.last is None:
+            self.first = now
             self.metrics.queue_depth_requests.dec()
             self.metrics.time_to_first_token_seconds.observe(now - self.started)
         else:
@@ -71,6 +78,20 @@ class _Tracker:
         if outcome == "ok":
             m.prompt_tokens_total.inc(self.prompt_tokens)
             m.e2e_request_latency_seconds.observe(time.monotonic() - self.started)
+
+    def log(self, request_id: str, outcome: str, address: str, last: TokenOutput | None,
+            error: str) -> None:
+        """The request's line on the router.requests logger (module doc)."""
+        if not request_log.isEnabledFor(logging.INFO):
+            return
+        usage = last.usage if last is not None else None
+        ttft = "-" if self.first is None else f"{self.first - self.started:.3f}s"
+        request_log.info(
+            "request %s %s decode=%s prompt=%d cached=%s output=%d finish=%s ttft=%s e2e=%.3fs%s",
+            request_id, outcome, address or "-", self.prompt_tokens,
+            usage.cached_prompt_tokens if usage else "-", self.tokens,
+            (last.finish_reason if last is not None else None) or "-", ttft,
+            time.monotonic() - self.started, f" error={error!r}" if error else "")
 
 
 class Dispatcher:
@@ -108,7 +129,7 @@ class Dispatcher:
         seconds the whole request may take (None: --request-timeout-seconds); ``started``:
         time.monotonic() at arrival, for the latency metrics."""
         tracker = _Tracker(self.metrics, len(req.prompt_ids), started or time.monotonic())
-        outcome, call = "error", None
+        outcome, call, address, last, error = "error", None, "", None, ""
         try:
             if timeout is None:
                 timeout = self.request_timeout_seconds
@@ -124,14 +145,19 @@ class Dispatcher:
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise
-        except (Overloaded, Unavailable):
+        except (Overloaded, Unavailable) as exc:
             outcome = "rejected" if tracker.last is None else "error"
+            error = str(exc)
+            raise
+        except Exception as exc:
+            error = str(exc)
             raise
         finally:
             if call is not None:
                 call.cancel()  # no-op once the call has finished
                 self.admission.notify()  # its blocks are free: a waiting request may fit
             tracker.finish(outcome)
+            tracker.log(req.request_id, outcome, address, last, error)
 
     async def _open(self, req: RoutedRequest, timeout: float):
         """A decode worker's call and first token: (call, worker address, first token). When

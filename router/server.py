@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the gRPC Router service (repeatable; also the NXDI_API_KEY "
                         "environment variable, comma-separated, which keeps keys out of the "
                         "process list)")
+    p.add_argument("--no-request-log", action="store_true",
+                   help="no line per finished request on the router.requests logger (id, "
+                        "outcome, worker, token counts, finish reason, TTFT, latency; never text)")
     g = p.add_argument_group("workers")
     g.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                    help="a prefill worker (repeatable)")
@@ -270,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
+    if args.no_request_log:
+        logging.getLogger("router.requests").setLevel(logging.WARNING)
     try:
         asyncio.run(serve(args))
     except (ValueError, OSError) as exc:
