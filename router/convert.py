@@ -4,6 +4,8 @@ The only router module that imports ``serving_pb2`` / ``serving_pb2_grpc`` (the 
 ``nxdi_common.serving.convert`` handles the messages every service has in common)."""
 from __future__ import annotations
 
+import json
+import re
 import time
 
 import grpc
@@ -15,6 +17,7 @@ from nxdi_common.serving.types import SamplingOptions, StopOptions, TokenOutput
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
 from router.frontend import ChatTurn, RoutedRequest
+from router.tools import ToolCall, ToolRequest, message_tool_calls, new_call_id, parse_tools
 from router.policies import DECODE, PREFILL, WorkerLoad
 
 ROUTER_SERVICE = pb.DESCRIPTOR.services_by_name["Router"].full_name
@@ -34,8 +37,64 @@ def generate_input(req: pb.GenerateRequest) -> tuple[str, object]:
     if kind == "prompt_token_ids":
         return kind, list(req.prompt_token_ids.ids)
     if kind == "chat":
-        return kind, [ChatTurn(m.role, m.content) for m in req.chat.messages]
+        return kind, [_chat_turn(m, f"chat.messages[{i}]")
+                      for i, m in enumerate(req.chat.messages)]
     raise InvalidRequest("input", "set one of prompt, prompt_token_ids or chat")
+
+
+def _chat_turn(m: pb.ChatMessage, where: str) -> ChatTurn:
+    """One chat message; an assistant's tool calls and a tool message's call id checked as the
+    HTTP API checks them."""
+    calls = ()
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise InvalidRequest(f"{where}.tool_calls", "only an assistant message carries "
+                                                       "tool_calls")
+        calls = message_tool_calls([_call_dict(c) for c in m.tool_calls], f"{where}.tool_calls")
+    if m.role == "tool" and not m.tool_call_id:
+        raise InvalidRequest(f"{where}.tool_call_id", "a tool message needs the id of the call "
+                                                      "it answers")
+    return ChatTurn(m.role, m.content, calls, m.tool_call_id)
+
+
+def _call_dict(call: pb.ToolCall) -> dict:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments_json}}
+
+
+def generate_tools(req: pb.GenerateRequest) -> ToolRequest | None:
+    """The request's tools and tool_choice as the HTTP API's (router/tools.py), checked with
+    the same rules and messages; None without tools."""
+    tools = []
+    for i, tool in enumerate(req.tools):
+        function = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters_json:
+            try:
+                function["parameters"] = json.loads(tool.parameters_json)
+            except ValueError as exc:
+                raise InvalidRequest(f"tools[{i}].parameters_json", f"is not JSON: {exc}") \
+                    from None
+        if tool.strict:
+            function["strict"] = True
+        tools.append({"type": "function", "function": function})
+    choice = None
+    if req.HasField("tool_choice"):
+        kind = req.tool_choice.WhichOneof("choice")
+        if kind == "mode":
+            choice = req.tool_choice.mode
+        elif kind == "function":
+            choice = {"type": "function", "function": {"name": req.tool_choice.function}}
+    parallel = req.parallel_tool_calls if req.HasField("parallel_tool_calls") else None
+    try:
+        return parse_tools(tools or None, choice, parallel)
+    except InvalidRequest as exc:  # the HTTP API's field names -> this message's
+        field = re.sub(r"^(tools\[\d+\])\.function\.parameters", r"\1.parameters_json",
+                       exc.field)
+        field = re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", field)
+        field = field.replace("tool_choice.function.name", "tool_choice.function")
+        raise InvalidRequest(field, str(exc).split(": ", 1)[1]) from None
 
 
 def generate_options(req: pb.GenerateRequest) -> tuple[SamplingOptions, StopOptions]:
@@ -43,8 +102,14 @@ def generate_options(req: pb.GenerateRequest) -> tuple[SamplingOptions, StopOpti
     return common.sampling_from_proto(req.sampling), common.stop_from_proto(req.stop)
 
 
-def token_event(out: TokenOutput) -> pb.TokenEvent:
-    return common.token_to_proto(out)
+def token_event(out: TokenOutput, calls: list[ToolCall] = ()) -> pb.TokenEvent:
+    """A Router.Generate event; ``calls``: the tool calls parsed out of the answer (last
+    event)."""
+    event = common.token_to_proto(out)
+    for call in calls:
+        event.tool_calls.add(id=call.id or new_call_id(), name=call.name,
+                             arguments_json=call.arguments)
+    return event
 
 
 def list_models(name: str, created: int, max_model_len: int,

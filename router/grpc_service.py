@@ -3,29 +3,46 @@
 Handlers raise; the shared StatusInterceptor turns InvalidRequest into INVALID_ARGUMENT (the
 message names the field), Overloaded into RESOURCE_EXHAUSTED, Unavailable into UNAVAILABLE.
 A client that cancels (or whose deadline passes) cancels the handler, which cancels the decode
-call; the client's remaining deadline is the decode call's timeout."""
+call; the client's remaining deadline is the decode call's timeout.
+
+Tools (chat input only) work as on the HTTP API (router/tools.py: the prompt, the constraint of
+"required" and a named function); the events stream the answer's text as written, and the last
+one carries the calls parsed out of it (TokenEvent.tool_calls)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import grpc
 
+from nxdi_common.serving.errors import InvalidRequest
 from router import convert
 from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend, RoutedRequest
 from router.policies import DECODE
+from router.tools import ToolRequest, split_output
 
 
-def routed_from_proto(req, frontend: ModelFrontend) -> RoutedRequest:
-    """Validate a GenerateRequest and tokenize its input (chat: through the chat template)."""
+def routed_from_proto(req, frontend: ModelFrontend,
+                      tools: ToolRequest | None = None) -> RoutedRequest:
+    """Validate a GenerateRequest and tokenize its input (chat: through the chat template, with
+    ``tools``, convert.generate_tools' answer for it)."""
     frontend.check_model(req.model)
     kind, value = convert.generate_input(req)
     sampling, stop = convert.generate_options(req)
+    if tools is not None and kind != "chat":
+        raise InvalidRequest("tools", "only with chat input")
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is not None:
+        if sampling.structured is not None:
+            raise InvalidRequest("sampling.structured_output", "cannot be combined with tools "
+                                                               "unless tool_choice is 'none'")
+        sampling = dataclasses.replace(sampling, structured=constraint)
     if kind == "prompt":
         ids = frontend.encode_text(value)
     elif kind == "chat":
-        ids = frontend.encode_chat(value, "chat")
+        ids = frontend.encode_chat(value, "chat", tools)
     else:
         ids = value
     return frontend.prepare(ids, sampling, stop, kind, req.request_id)
@@ -40,16 +57,24 @@ class RouterServicer(convert.RouterServicerBase):
     async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
         started = time.monotonic()
         try:
-            routed = routed_from_proto(request, self.frontend)
+            tools = convert.generate_tools(request)
+            routed = routed_from_proto(request, self.frontend, tools)
             await self.frontend.check_structured(routed.sampling, "sampling.structured_output")
         except ValueError:
             self.dispatcher.metrics.requests_total.inc("invalid")
             raise
+        parses = tools is not None and tools.parses_calls
+        text = []
         events = self.dispatcher.generate(routed, timeout=context.time_remaining(),
                                           started=started)
         async with contextlib.aclosing(events):
             async for out in events:
-                yield convert.token_event(out)
+                calls = []
+                if parses:
+                    text.append(out.text)
+                    if out.finish_reason is not None:
+                        calls = split_output("".join(text), tools.names(), not tools.parallel)[1]
+                yield convert.token_event(out, calls)
 
     async def ListModels(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
         f = self.frontend

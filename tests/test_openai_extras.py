@@ -12,14 +12,19 @@ MAX_LEN = 1024
 
 
 @pytest.fixture(scope="module")
-def http(spawn_module, tiny_chat_model):
+def router(spawn_module, tiny_chat_model):
     common = ("--model", tiny_chat_model, "--dtype", "float32", "--backend", "eager",
               "--threads", "1", "--max-model-len", MAX_LEN)
     decode = spawn_module("decode_service", *common, "--kv-blocks", 512)
     prefill = spawn_module("prefill_service", *common)
     return spawn_module("router", "--model", tiny_chat_model, "--max-model-len", MAX_LEN,
                         "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
-                        "--decode", decode.grpc, "--prefill", prefill.grpc).info["http"]
+                        "--decode", decode.grpc, "--prefill", prefill.grpc)
+
+
+@pytest.fixture(scope="module")
+def http(router):
+    return router.info["http"]
 
 
 def post(http, path="/v1/completions", **body):
@@ -321,3 +326,70 @@ def test_the_openai_sdk_reads_our_tool_calls_whole_and_streamed(http):
     (streamed,) = final.choices[0].message.tool_calls
     assert (streamed.function.name, json.loads(streamed.function.arguments)) == (
         "get_weather", json.loads(call.function.arguments))
+
+
+def grpc_chat(router, **fields):
+    """Router.Generate over gRPC with a chat input: its events."""
+    import grpc
+
+    from protos.nxdi.serving.v1 import serving_pb2 as pb
+    from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
+    messages = fields.pop("messages", [pb.ChatMessage(role="user", content="weather?")])
+    fields.setdefault("stop", pb.StopCriteria(max_tokens=200))
+    req = pb.GenerateRequest(chat=pb.ChatMessages(messages=messages), **fields)
+    with grpc.insecure_channel(router.grpc) as channel:
+        return list(pb_grpc.RouterStub(channel).Generate(req, timeout=60))
+
+
+def test_grpc_router_tools_named_and_required_give_valid_calls_on_the_last_event(router, http):
+    """The gRPC Router takes tools as the HTTP API does: a named function's answer is one valid
+    call of it, parsed onto the last event (the events' text is the answer as written), the
+    same call the HTTP API gives for the same greedy request; tool history reaches the
+    prompt; bad tools are refused naming the field."""
+    import grpc
+
+    from protos.nxdi.serving.v1 import serving_pb2 as pb
+
+    def tool(spec):
+        fn = spec["function"]
+        return pb.Tool(name=fn["name"], description=fn.get("description", ""),
+                       parameters_json=json.dumps(fn["parameters"]))
+    tools = [tool(ADD), tool(WEATHER)]
+    greedy = pb.SamplingParams(temperature=0)
+    events = grpc_chat(router, tools=tools, sampling=greedy,
+                       tool_choice=pb.ToolChoice(function="get_weather"))
+    assert all(not e.tool_calls for e in events[:-1])
+    (call,) = events[-1].tool_calls
+    assert "<tool_call>" in "".join(e.text for e in events)
+    as_openai = {"type": "function", "id": call.id,
+                 "function": {"name": call.name, "arguments": call.arguments_json}}
+    assert check_call(as_openai)[0] == "get_weather"
+    over_http = chat(http, tools=[ADD, WEATHER], temperature=0, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}).json()
+    assert over_http["choices"][0]["message"]["tool_calls"][0]["function"] == \
+        as_openai["function"]
+    required = grpc_chat(router, tools=tools, tool_choice=pb.ToolChoice(mode="required"),
+                         parallel_tool_calls=False, sampling=pb.SamplingParams(seed=3))
+    (call,) = required[-1].tool_calls
+    assert check_call({"type": "function", "id": call.id, "function": {
+        "name": call.name, "arguments": call.arguments_json}})[0] in ("add", "get_weather")
+    # history: an earlier call and its answer make the prompt longer than the question alone
+    history = [pb.ChatMessage(role="user", content="weather?"),
+               pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(
+                   id="call_1", name="get_weather", arguments_json='{"city": "Rome"}')]),
+               pb.ChatMessage(role="tool", tool_call_id="call_1", content="sunny, 24 C")]
+    plain = grpc_chat(router, tools=tools, messages=history[:1],
+                      stop=pb.StopCriteria(max_tokens=1))
+    longer = grpc_chat(router, tools=tools, messages=history, stop=pb.StopCriteria(max_tokens=1))
+    assert longer[-1].usage.prompt_tokens > plain[-1].usage.prompt_tokens + 10
+    for fields, param in ((dict(tools=[pb.Tool(name="bad name")]), "tools[0].name"),
+                          (dict(tools=[pb.Tool(name="f", parameters_json="{")]),
+                           "tools[0].parameters_json"),
+                          (dict(tools=tools, tool_choice=pb.ToolChoice(function="nope")),
+                           "tool_choice.function"),
+                          (dict(messages=[pb.ChatMessage(role="tool", content="x")]),
+                           "chat.messages[0].tool_call_id")):
+        with pytest.raises(grpc.RpcError) as info:
+            grpc_chat(router, **fields)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert param in info.value.details(), info.value.details()
