@@ -8,6 +8,12 @@ none comes within the queue's timeout (at once with --queue-timeout-seconds 0).
 Whatever ends the stream early (the client going away, a deadline, an error) cancels the
 downstream call: no decode call is ever left running for a caller that stopped listening.
 
+Choices of one prompt (``n`` > 1) share its prefill (:class:`SharedPrompt`): the first is
+routed as usual; the others wait until the prompt's KV is in that decode worker's prefix cache
+(the first choice's second token, or its end) and try that worker first, which then finds every
+full block of the prompt cached and computes only the rest itself (its cached-prefix rule),
+instead of every choice prefilling the whole prompt again.
+
 Every request ends with one line on the ``router.requests`` logger (INFO; the router's
 --no-request-log turns it off): its id, outcome (ok, cancelled, rejected, error), decode worker,
 prompt / cached / output tokens, finish reason, time to first token and end-to-end latency, and
@@ -18,6 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -94,6 +101,22 @@ class _Tracker:
             time.monotonic() - self.started, f" error={error!r}" if error else "")
 
 
+@dataclass(eq=False)
+class SharedPrompt:
+    """The choices of one prompt (module doc): the first request given it leads; ``address``
+    is the decode worker that took it, ``ready`` is set once its prompt's KV is there (or it
+    ended: then the others route as usual)."""
+
+    address: str = ""
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    led: bool = False
+
+    def lead(self) -> bool:
+        """True for the first caller: that request leads."""
+        first, self.led = not self.led, True
+        return first
+
+
 class Dispatcher:
     """Routes requests over the registry's workers with a policy, and records router metrics."""
 
@@ -124,18 +147,29 @@ class Dispatcher:
                                                         for w in workers)
 
     async def generate(self, req: RoutedRequest, timeout: float | None = None,
-                       started: float | None = None) -> AsyncIterator[TokenOutput]:
+                       started: float | None = None,
+                       shared: SharedPrompt | None = None) -> AsyncIterator[TokenOutput]:
         """Stream the request's tokens (the last carries finish_reason and usage). ``timeout``:
         seconds the whole request may take (None: --request-timeout-seconds); ``started``:
-        time.monotonic() at arrival, for the latency metrics."""
+        time.monotonic() at arrival, for the latency metrics; ``shared``: the prompt's other
+        choices (module doc)."""
         tracker = _Tracker(self.metrics, len(req.prompt_ids), started or time.monotonic())
         outcome, call, address, last, error = "error", None, "", None, ""
+        leads = shared is not None and shared.lead()
+        prefer = ""
         try:
             if timeout is None:
                 timeout = self.request_timeout_seconds
-            call, address, out = await self._open(req, timeout)
+            if shared is not None and not leads:
+                prefer = await _leader(shared, timeout - (time.monotonic() - tracker.started))
+                timeout -= time.monotonic() - tracker.started  # what the wait left of it
+            call, address, out = await self._open(req, timeout, prefer)
+            if leads:
+                shared.address = address
             while out is not None:
                 tracker.token()
+                if leads and tracker.tokens == 2:  # decoding: the prompt's KV is in place
+                    shared.ready.set()
                 yield out
                 last, out = out, await _next_token(call, address)
             if last.finish_reason is None:
@@ -153,13 +187,15 @@ class Dispatcher:
             error = str(exc)
             raise
         finally:
+            if leads:
+                shared.ready.set()  # ended (or failed) before its second token
             if call is not None:
                 call.cancel()  # no-op once the call has finished
                 self.admission.notify()  # its blocks are free: a waiting request may fit
             tracker.finish(outcome)
             tracker.log(req.request_id, outcome, address, last, error)
 
-    async def _open(self, req: RoutedRequest, timeout: float):
+    async def _open(self, req: RoutedRequest, timeout: float, prefer: str = ""):
         """A decode worker's call and first token: (call, worker address, first token). When
         every worker refused, the request waits its turn in the admission queue (nobody waiting:
         after one try at once) and tries again as room comes; Overloaded when none comes in the
@@ -168,7 +204,7 @@ class Dispatcher:
         refused: list[str] = []
         queue = self.admission
         if not (queue.enabled and len(queue)):  # nobody ahead: try at once
-            opened = await self._try_decodes(req, deadline, refused)
+            opened = await self._try_decodes(req, deadline, refused, prefer)
             if opened is not None:
                 return opened
             if not queue.enabled:
@@ -178,16 +214,20 @@ class Dispatcher:
             waited = time.monotonic()
             while await queue.turn(ticket, min(deadline, waited + queue.timeout_seconds)):
                 refused = []
-                opened = await self._try_decodes(req, deadline, refused)
+                opened = await self._try_decodes(req, deadline, refused, prefer)
                 if opened is not None:
                     return opened
         raise Overloaded(f"every decode worker is full (refused by {', '.join(refused) or '-'}) "
                          f"after {time.monotonic() - waited:.1f} s in the admission queue")
 
-    async def _try_decodes(self, req: RoutedRequest, deadline: float, refused: list[str]):
-        """Try the decode workers in order until one sends a first token: (call, worker address,
-        first token); None when every one refused (their addresses in ``refused``)."""
+    async def _try_decodes(self, req: RoutedRequest, deadline: float, refused: list[str],
+                           prefer: str = ""):
+        """Try the decode workers in order (``prefer`` first) until one sends a first token:
+        (call, worker address, first token); None when every one refused (their addresses in
+        ``refused``)."""
         decodes, prefills = self.plan(req)
+        if prefer:  # stable: the policy's order after it
+            decodes = sorted(decodes, key=lambda w: w.address != prefer)
         if not decodes:
             raise Unavailable(self.unhealthy_reason() or "no decode worker can take requests")
         for worker in decodes:
@@ -240,6 +280,17 @@ class Dispatcher:
             raise WorkerError(grpc.StatusCode.INTERNAL,
                               f"decode worker {address} ended the stream without a token")
         return convert.token_output(event)
+
+
+async def _leader(shared: SharedPrompt, timeout: float) -> str:
+    """Wait until the leading choice's prompt KV is in place (SharedPrompt); its decode
+    worker's address."""
+    try:
+        await asyncio.wait_for(shared.ready.wait(), max(timeout, 0))
+    except TimeoutError:
+        raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request timed out waiting for "
+                                                             "its prompt's first choice") from None
+    return shared.address
 
 
 def compatible_prefills(decode: WorkerState, prefills: list[WorkerState]) -> list[str]:

@@ -10,9 +10,12 @@ stream is closed; non-streaming: the request's work is cancelled).
 A completions batch of prompts is a request per prompt, its choices after the previous
 prompt's (prompt i's are i * n .. i * n + n - 1). ``n`` choices are ``n`` requests through the
 dispatcher (ids suffixed ``-0``..; a seeded request's choice i is seeded ``seed + i``, so the
-choices differ and each replays). All of a request's run at once and are merged: the response
-lists the choices by index, a stream interleaves their chunks as tokens come (each carrying its
-choice's index), usage counts each prompt once and every choice's tokens. The first failure of
+choices differ and each replays). A prompt's choices share its prefill (router/dispatch.py,
+SharedPrompt): the first runs at once, the others once its prompt's KV is on its decode worker.
+All of a request's are merged: the response lists the choices by index, a stream interleaves
+their chunks as tokens come (each carrying its choice's index; a stream starts once every
+prompt's first choice has its first token), usage counts each prompt once and every choice's
+tokens. The first failure of
 any of them fails the whole request (the others are cancelled); the router's metrics count each
 as a request of its own."""
 from __future__ import annotations
@@ -31,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from nxdi_common.serving.errors import InvalidRequest, ServingError
 from router import openai_format as fmt
-from router.dispatch import Dispatcher
+from router.dispatch import Dispatcher, SharedPrompt
 from router.frontend import ModelFrontend, RoutedRequest
 from router.openai_schema import (ChatRequest, CompletionRequest, DetokenizeRequest,
                                   TokenizeRequest, chat_to_routed, chat_tools, choices,
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+LATER = object()  # a choice's first token, not fetched before the stream starts (_first)
 
 
 class ClientGone(Exception):
@@ -170,6 +174,8 @@ async def _sse(firsts: list, streams: list, formatter: fmt.Formatter):
 
     async def pump(index: int, out, events) -> None:
         try:
+            if out is LATER:
+                out = await anext(events, None)
             while out is not None:
                 queue.put_nowait((index, out))
                 out = await anext(events, None)
@@ -208,16 +214,26 @@ async def _sse(firsts: list, streams: list, formatter: fmt.Formatter):
     yield fmt.SSE_DONE
 
 
+async def _first(events, index: int, per_prompt: int):
+    """A stream's first token before the SSE response starts: a prompt's first choice's; its
+    other choices' wait for it (SharedPrompt), so theirs come later (LATER)."""
+    return await anext(events, None) if index % per_prompt == 0 else LATER
+
+
 async def _respond(request: Request, dispatcher: Dispatcher, formatter: fmt.Formatter,
                    stream: bool, started: float) -> Response:
     per_prompt = formatter.n // len(formatter.prompts)
-    streams = [dispatcher.generate(r, started=started) for routed in formatter.prompts
-               for r in _choice_requests(routed, per_prompt)]
+    streams = []
+    for routed in formatter.prompts:
+        shared = SharedPrompt() if per_prompt > 1 else None
+        streams += [dispatcher.generate(r, started=started, shared=shared)
+                    for r in _choice_requests(routed, per_prompt)]
     if not stream:
         outs = await until_disconnect(request, _all_or_none(_collect(e) for e in streams))
         return JSONResponse(formatter.response(outs))
     try:
-        firsts = await until_disconnect(request, _all_or_none(anext(e, None) for e in streams))
+        firsts = await until_disconnect(request, _all_or_none(
+            _first(e, i, per_prompt) for i, e in enumerate(streams)))
     except BaseException:
         for events in streams:
             await events.aclose()

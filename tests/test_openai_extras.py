@@ -17,9 +17,11 @@ def router(spawn_module, tiny_chat_model):
               "--threads", "1", "--max-model-len", MAX_LEN)
     decode = spawn_module("decode_service", *common, "--kv-blocks", 512)
     prefill = spawn_module("prefill_service", *common)
-    return spawn_module("router", "--model", tiny_chat_model, "--max-model-len", MAX_LEN,
-                        "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
-                        "--decode", decode.grpc, "--prefill", prefill.grpc)
+    router = spawn_module("router", "--model", tiny_chat_model, "--max-model-len", MAX_LEN,
+                          "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
+                          "--decode", decode.grpc, "--prefill", prefill.grpc)
+    router.decode, router.prefill = decode, prefill
+    return router
 
 
 @pytest.fixture(scope="module")
@@ -393,3 +395,36 @@ def test_grpc_router_tools_named_and_required_give_valid_calls_on_the_last_event
             grpc_chat(router, **fields)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert param in info.value.details(), info.value.details()
+
+
+def metric(service, name: str) -> float:
+    """One sample of a worker's /metrics (labels as Prometheus writes them), 0 when absent."""
+    text = httpx.get(f"http://{service.info['metrics']}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+PREFILLS = 'nxdi_requests_total{outcome="ok",role="prefill"}'
+LOCAL = 'nxdi_local_prefills_total{role="decode"}'
+
+
+def test_n_choices_share_one_prefill(router, http):
+    """n choices of a 300-token prompt: the prefill worker encodes it once; the other choices
+    wait for the first's prompt KV on the decode worker, which finds its full blocks cached
+    and computes the last few tokens itself. Greedy choices equal the single answer; a stream
+    of them gets every choice (the others' first tokens come after the stream starts)."""
+    ids = [(i * 97 + 31) % 40000 + 100 for i in range(300)]
+    prefills, local = metric(router.prefill, PREFILLS), metric(router.decode, LOCAL)
+    body = post(http, prompt=ids, n=4, max_tokens=6, temperature=0)
+    assert metric(router.prefill, PREFILLS) - prefills == 1
+    assert metric(router.decode, LOCAL) - local == 3
+    texts = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+    assert len(texts) == 4 and len(set(texts)) == 1
+    assert body["usage"]["completion_tokens"] == 24
+    single = post(http, prompt=ids, max_tokens=6, temperature=0)["choices"][0]["text"]
+    assert texts[0] == single
+    streamed, usage = stream(http, prompt=ids, n=3, max_tokens=6, temperature=0)
+    assert streamed == {0: single, 1: single, 2: single}
+    assert usage["completion_tokens"] == 18
