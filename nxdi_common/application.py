@@ -179,34 +179,23 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                                       "neuron backend keeps the weights on the device")
         seq_ids = self._seq_ids(input_ids, seq_ids)
         rows = None if position_ids is None else position_ids.tolist()
-        b, s = input_ids.shape
+        b = input_ids.shape[0]
         if rows is None or min(row[0] for row in rows) == 0:
-            ids, mask, lengths = right_align(input_ids, attention_mask)
-            if slot_mapping is not None:
-                slot_mapping = right_align(slot_mapping, attention_mask)[0]
-            self._check_token_ids(ids)
-            positions = torch.arange(ids.shape[1]).expand(b, ids.shape[1]).contiguous()
-            slots, table = self._block_indices(seq_ids, positions, mask, slot_mapping,
-                                               block_table)
-            params, rand = self._sampling_inputs(b, None, torch.zeros(b))
-            inputs = (ids, mask, positions, seq_ids, params, rand, slots, table)
+            inputs, lengths = self._context_inputs(input_ids, attention_mask, seq_ids, None,
+                                                   slot_mapping, block_table, torch.zeros(b))
             hidden = self.context_encoding_model(inputs, self.kv_cache, self.weights,
                                                  self.scratch, all_positions=True)
             for row, length in zip(seq_ids.tolist(), lengths.tolist()):
                 self._next[row] = length
-            s = ids.shape[1]
         else:
             if attention_mask is not None and not bool(attention_mask.bool().all()):
                 raise ValueError("a prompt chunk has no padding: attention_mask must be all ones")
-            positions = self._chunk_positions(input_ids, position_ids)
-            inputs = self._graph_inputs(input_ids, positions, seq_ids, None, slot_mapping,
-                                        block_table, torch.zeros(b))
-            size = min(c for c in self.chunk_models if c >= s)
-            hidden = self.chunk_models[size](inputs, self.kv_cache, self.weights, self.scratch,
-                                             all_positions=True)
-            self._advance(seq_ids, [row[-1] for row in positions.tolist()])
+            inputs, model = self._chunk_inputs(input_ids, position_ids, seq_ids, None,
+                                               slot_mapping, block_table, torch.zeros(b))
+            hidden = model(inputs, self.kv_cache, self.weights, self.scratch, all_positions=True)
+            self._advance(seq_ids, [row[-1] for row in inputs[2].tolist()])
         self.kv_cache_populated = True
-        return hidden[0][:b, :s]
+        return hidden[0][:b, :inputs[0].shape[1]]
 
     @torch.no_grad()
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -276,8 +265,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return self._constant(("params", batch, odsc is not None) + values, lambda: (
             sampling_params_from_config(odsc, batch) if odsc else torch.ones(batch, 3)))
 
-    def _run_context(self, input_ids, attention_mask, seq_ids, sampling_params, slots, table,
-                     rand=None):
+    def _context_inputs(self, input_ids, attention_mask, seq_ids, sampling_params, slots,
+                        table, rand):
+        """The 8 graph inputs of a context-encoding call (rows right-aligned, trimmed to the
+        longest) and each row's length."""
         ids, mask, lengths = right_align(input_ids, attention_mask)
         if slots is not None:  # the caller's slots follow input_ids' layout: move them alike
             slots = right_align(slots, attention_mask)[0]
@@ -286,7 +277,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         positions = torch.arange(s).expand(b, s).contiguous()
         slots, table = self._block_indices(seq_ids, positions, mask, slots, table)
         params, rand = self._sampling_inputs(b, sampling_params, rand)
-        inputs = (ids, mask, positions, seq_ids, params, rand, slots, table)
+        return (ids, mask, positions, seq_ids, params, rand, slots, table), lengths
+
+    def _run_context(self, input_ids, attention_mask, seq_ids, sampling_params, slots, table,
+                     rand=None):
+        inputs, lengths = self._context_inputs(input_ids, attention_mask, seq_ids,
+                                               sampling_params, slots, table, rand)
         outputs = self.context_encoding_model(inputs, self.kv_cache, self.weights, self.scratch)
         for row, length in zip(seq_ids.tolist(), lengths.tolist()):
             self._next[row] = length
@@ -336,14 +332,22 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         """One piece of one prompt: input_ids and position_ids [1, S], S <= prefill_chunk_size;
         the positions before it must be in the cache (block_table). Samples from its last token.
         Runs in the chunked-prefill sub-model of the smallest chunk length that holds S."""
+        inputs, model = self._chunk_inputs(input_ids, position_ids, seq_ids, sampling_params,
+                                           slots, table, rand)
+        outputs = model(inputs, self.kv_cache, self.weights, self.scratch)
+        self._advance(seq_ids, [row[-1] for row in inputs[2].tolist()])
+        self.kv_cache_populated = True
+        return self._output(outputs)
+
+    def _chunk_inputs(self, input_ids, position_ids, seq_ids, sampling_params, slots, table,
+                      rand):
+        """The 8 graph inputs of a chunk of a prompt (positions checked), and the
+        chunked-prefill sub-model of the smallest chunk length that holds it."""
         position_ids = self._chunk_positions(input_ids, position_ids)
         inputs = self._graph_inputs(input_ids, position_ids, seq_ids, sampling_params, slots,
                                     table, rand)
         size = min(c for c in self.chunk_models if c >= position_ids.shape[1])
-        outputs = self.chunk_models[size](inputs, self.kv_cache, self.weights, self.scratch)
-        self._advance(seq_ids, [row[-1] for row in position_ids.tolist()])
-        self.kv_cache_populated = True
-        return self._output(outputs)
+        return inputs, self.chunk_models[size]
 
     @torch.no_grad()
     def forward_mixed(self, chunk: dict, decode: dict) -> CausalLMOutput:
