@@ -15,9 +15,8 @@ SharedPrompt): the first runs at once, the others once its prompt's KV is on its
 All of a request's are merged: the response lists the choices by index, a stream interleaves
 their chunks as tokens come (each carrying its choice's index; a stream starts once every
 prompt's first choice has its first token), usage counts each prompt once and every choice's
-tokens. The first failure of
-any of them fails the whole request (the others are cancelled); the router's metrics count each
-as a request of its own."""
+tokens. The first failure of any of them fails the whole request (the others are cancelled);
+the router's metrics count each as a request of its own."""
 from __future__ import annotations
 
 import asyncio
