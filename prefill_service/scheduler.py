@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from nxdi_common import bucketing
+from nxdi_common.application import CausalLMOutput
 from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving.errors import Overloaded, Unavailable
 from nxdi_common.serving.rates import PrefillRate
-from nxdi_common.application import CausalLMOutput
 from nxdi_common.serving.sampling import (host_logits, model_global_topk, next_uniform,
                                           request_generator, resample_on_host, sample_row,
                                           score_positions, token_logprobs)

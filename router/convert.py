@@ -17,7 +17,7 @@ from nxdi_common.serving.types import SamplingOptions, StopOptions, TokenOutput
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
 from router.frontend import ChatTurn, RoutedRequest
-from router.tools import ToolCall, ToolRequest, message_tool_calls, new_call_id, parse_tools
+from router.tools import ToolCall, ToolRequest, new_call_id, parse_tools
 from router.policies import DECODE, PREFILL, WorkerLoad
 
 ROUTER_SERVICE = pb.DESCRIPTOR.services_by_name["Router"].full_name
@@ -37,24 +37,11 @@ def generate_input(req: pb.GenerateRequest) -> tuple[str, object]:
     if kind == "prompt_token_ids":
         return kind, list(req.prompt_token_ids.ids)
     if kind == "chat":
-        return kind, [_chat_turn(m, f"chat.messages[{i}]")
+        return kind, [ChatTurn.checked(m.role, m.content,
+                                       [_call_dict(c) for c in m.tool_calls] or None,
+                                       m.tool_call_id, f"chat.messages[{i}]")
                       for i, m in enumerate(req.chat.messages)]
     raise InvalidRequest("input", "set one of prompt, prompt_token_ids or chat")
-
-
-def _chat_turn(m: pb.ChatMessage, where: str) -> ChatTurn:
-    """One chat message; an assistant's tool calls and a tool message's call id checked as the
-    HTTP API checks them."""
-    calls = ()
-    if m.tool_calls:
-        if m.role != "assistant":
-            raise InvalidRequest(f"{where}.tool_calls", "only an assistant message carries "
-                                                       "tool_calls")
-        calls = message_tool_calls([_call_dict(c) for c in m.tool_calls], f"{where}.tool_calls")
-    if m.role == "tool" and not m.tool_call_id:
-        raise InvalidRequest(f"{where}.tool_call_id", "a tool message needs the id of the call "
-                                                      "it answers")
-    return ChatTurn(m.role, m.content, calls, m.tool_call_id)
 
 
 def _call_dict(call: pb.ToolCall) -> dict:

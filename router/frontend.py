@@ -19,8 +19,8 @@ from nxdi_common.serving.errors import InvalidRequest, ModelNotFound
 from nxdi_common.serving.structured import GrammarCompiler
 from nxdi_common.serving.types import (ModelLimits, SamplingOptions, StopOptions, check_prompt,
                                        check_sampling, resolve_max_tokens)
-from router.tools import ToolCall, ToolRequest, render_fallback, render_native, \
-    template_renders_tools
+from router.tools import ToolCall, ToolRequest, message_tool_calls, render_fallback, \
+    render_native, template_renders_tools
 
 log = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -35,6 +35,22 @@ class ChatTurn:
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
+
+    @classmethod
+    def checked(cls, role: str, content: str, tool_calls, tool_call_id: str,
+                where: str) -> ChatTurn:
+        """A turn from a request's message ``where`` (both APIs): ``tool_calls`` in OpenAI's
+        shape (None: none) only on an assistant message, a tool message's call id required."""
+        calls = ()
+        if tool_calls is not None:
+            if role != "assistant":
+                raise InvalidRequest(f"{where}.tool_calls", "only an assistant message carries "
+                                                            "tool_calls")
+            calls = message_tool_calls(tool_calls, f"{where}.tool_calls")
+        if role == "tool" and not tool_call_id:
+            raise InvalidRequest(f"{where}.tool_call_id", "a tool message needs the id of the "
+                                                          "call it answers")
+        return cls(role, content, calls, tool_call_id or "")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ one carries the calls parsed out of it (TokenEvent.tool_calls)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 
 import grpc
@@ -21,7 +20,7 @@ from router import convert
 from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend, RoutedRequest
 from router.policies import DECODE
-from router.tools import ToolRequest, split_output
+from router.tools import ToolRequest, split_output, with_tools
 
 
 def routed_from_proto(req, frontend: ModelFrontend,
@@ -33,12 +32,7 @@ def routed_from_proto(req, frontend: ModelFrontend,
     sampling, stop = convert.generate_options(req)
     if tools is not None and kind != "chat":
         raise InvalidRequest("tools", "only with chat input")
-    constraint = tools.constraint() if tools is not None else None
-    if constraint is not None:
-        if sampling.structured is not None:
-            raise InvalidRequest("sampling.structured_output", "cannot be combined with tools "
-                                                               "unless tool_choice is 'none'")
-        sampling = dataclasses.replace(sampling, structured=constraint)
+    sampling = with_tools(sampling, tools, "sampling.structured_output")
     if kind == "prompt":
         ids = frontend.encode_text(value)
     elif kind == "chat":

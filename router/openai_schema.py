@@ -15,7 +15,6 @@ prompt_logprobs); router/openai_format.py shapes the answer.
 (router/openai_api.py)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -25,7 +24,7 @@ from nxdi_common.serving.errors import InvalidRequest
 from nxdi_common.serving.types import (MAX_TOP_LOGPROBS, SamplingOptions, StopOptions,
                                        StructuredOutput)
 from router.frontend import ChatTurn, ModelFrontend, RoutedRequest
-from router.tools import ToolRequest, message_tool_calls, parse_tools
+from router.tools import ToolRequest, parse_tools, with_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions: logprobs is an integer in [0, 5]
@@ -421,31 +420,13 @@ def completion_to_routed(body: CompletionRequest, frontend: ModelFrontend,
 
 def chat_tools(body: ChatRequest) -> ToolRequest | None:
     """The request's tools and tool choice (router/tools.py), checked; None without tools."""
-    tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    if tools is not None and tools.mode != "none" and (
-            body.response_format is not None or body.structured_outputs is not None):
-        what = structured_field(body)
-        if not (what == "response_format" and body.response_format.get("type") == "text"):
-            raise InvalidRequest(what, "cannot be combined with tools unless tool_choice is "
-                                       "'none' (a tool call is not the format asked for)")
-    return tools
+    return parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
 
 
 def chat_turns(body: ChatRequest | TokenizeRequest) -> list[ChatTurn]:
     """The messages as chat turns; tool_calls and tool_call_id checked."""
-    turns = []
-    for i, m in enumerate(body.messages):
-        calls = ()
-        if m.tool_calls is not None:
-            if m.role != "assistant":
-                raise InvalidRequest(f"messages[{i}].tool_calls", "only an assistant message "
-                                                                  "carries tool_calls")
-            calls = message_tool_calls(m.tool_calls, f"messages[{i}].tool_calls")
-        if m.role == "tool" and not m.tool_call_id:
-            raise InvalidRequest(f"messages[{i}].tool_call_id", "a tool message needs the id "
-                                                                "of the call it answers")
-        turns.append(ChatTurn(m.role, m.content, calls, m.tool_call_id or ""))
-    return turns
+    return [ChatTurn.checked(m.role, m.content, m.tool_calls, m.tool_call_id, f"messages[{i}]")
+            for i, m in enumerate(body.messages)]
 
 
 def chat_to_routed(body: ChatRequest, frontend: ModelFrontend, request_id: str = "",
@@ -456,11 +437,8 @@ def chat_to_routed(body: ChatRequest, frontend: ModelFrontend, request_id: str =
     choices(body)
     frontend.check_model(body.model)
     _check_stream_options(body)
-    sampling = _sampling(body, bool(body.logprobs), body.top_logprobs or 0,
-                         _prompt_logprobs(body))
-    constraint = tools.constraint() if tools is not None else None
-    if constraint is not None:
-        sampling = dataclasses.replace(sampling, structured=constraint)
+    sampling = with_tools(_sampling(body, bool(body.logprobs), body.top_logprobs or 0,
+                                    _prompt_logprobs(body)), tools, structured_field(body))
     field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     max_tokens = body.max_tokens if body.max_completion_tokens is None \
         else body.max_completion_tokens

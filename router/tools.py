@@ -37,11 +37,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nxdi_common.serving.errors import InvalidRequest
 from nxdi_common.serving.structured import JSON_DEFAULTS
-from nxdi_common.serving.types import StructuredOutput
+from nxdi_common.serving.types import SamplingOptions, StructuredOutput
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -132,6 +132,21 @@ class ToolRequest:
                           end=f"}}\n{CALL_CLOSE}")
                 for t in self.tools]
         return StructuredOutput("lark_grammar", StructTag.to_grammar(tags, assume_special=False))
+
+
+def with_tools(sampling: SamplingOptions, tools: ToolRequest | None,
+               structured_field: str) -> SamplingOptions:
+    """``sampling`` with the tools' constraint (ToolRequest.constraint); a structured output
+    of the request's own (``structured_field`` names where it came from) is refused beside
+    tools in effect: a tool call is not the format asked for."""
+    if tools is None or not tools.parses_calls:
+        return sampling
+    if sampling.structured is not None:
+        raise InvalidRequest(structured_field, "cannot be combined with tools unless "
+                                               "tool_choice is 'none' (a tool call is not the "
+                                               "format asked for)")
+    constraint = tools.constraint()
+    return sampling if constraint is None else replace(sampling, structured=constraint)
 
 
 def new_call_id() -> str:
