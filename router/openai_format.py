@@ -189,17 +189,14 @@ class CompletionFormatter(Formatter):
         text = self._prompt_texts[p]
         if not self.logprobs:
             return text, None
-        ids = self.prompts[p].prompt_ids
-        scores = list(self._scores(outs))[:len(ids) - 1]
-        scores += [None] * (len(ids) - 1 - len(scores))
-        tokens = [self._token_text(i) for i in ids]
-        tops = [None] + [None if s is None else {
-            self._token_text(s.token_id): s.logprob,
-            **{self._token_text(x.token_id, x.text): x.logprob
-               for x in s.top_logprobs if x.token_id != s.token_id}} for s in scores]
+        scores = self._scores(outs)  # one per prompt token after the first (echo asks them)
+        tokens = [self._token_text(i) for i in self.prompts[p].prompt_ids]
+        tops = [None] + [{self._token_text(s.token_id): s.logprob,
+                          **{self._token_text(x.token_id, x.text): x.logprob
+                             for x in s.top_logprobs if x.token_id != s.token_id}}
+                         for s in scores]
         return text, {"tokens": tokens,
-                      "token_logprobs": [None] + [None if s is None else s.logprob
-                                                  for s in scores],
+                      "token_logprobs": [None] + [s.logprob for s in scores],
                       "top_logprobs": tops,
                       "text_offset": list(accumulate([0] + [len(x) for x in tokens[:-1]]))}
 
