@@ -59,11 +59,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             self.chunk_models = {
                 c: ModelWrapper(self.config, self._model_cls, chunk_model_tag(c, nc), args, c)
                 for c in sizes}
-            self.mixed_models = {
-                c: ModelWrapper(self.config, self._model_cls, mixed_model_tag(c, nc), args, c)
-                for c in sizes}
+            if nc.mixed_steps:
+                self.mixed_models = {
+                    c: ModelWrapper(self.config, self._model_cls, mixed_model_tag(c, nc), args, c)
+                    for c in sizes}
+                self.mixed_model = self.mixed_models[nc.prefill_chunk_size]
             self.chunked_prefill_model = self.chunk_models[nc.prefill_chunk_size]
-            self.mixed_model = self.mixed_models[nc.prefill_chunk_size]
             self.models += [*self.chunk_models.values(), *self.mixed_models.values()]
         odsc = self.neuron_config.on_device_sampling_config
         self.random_source = SamplingRandomSource.from_config(odsc) if odsc else None
@@ -363,7 +364,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise RuntimeError("model is not loaded: call to_cpu(), or compile() then load()")
         if self.mixed_model is None:
             raise ValueError("forward_mixed needs NeuronConfig.prefill_chunk_size (block KV "
-                             "layout)")
+                             "layout) and mixed_steps")
         unknown = (set(chunk) | set(decode)) - MIXED_ARGS
         if unknown:
             raise ValueError(f"forward_mixed: unsupported arguments {sorted(unknown)}")

@@ -141,6 +141,10 @@ class NeuronConfig(ConfigBase):
     # smallest that holds it, so a small piece beside a running batch costs a small call.
     # None: prefill_chunk_size only
     mixed_chunk_buckets: Optional[List[int]] = None
+    # extension: with prefill_chunk_size, also build the mixed sub-models (a chunk and a decode
+    # step in one call). False for a model that never decodes beside a prefill (a prefill
+    # worker's, which runs chunks only to encode a prompt past its cached prefix)
+    mixed_steps: bool = True
     prefix_buckets: Optional[List[int]] = None
     # Quantization
     quantized: bool = False

@@ -50,6 +50,7 @@ LIBRARY_DEFAULTS = {
     "trace_tokengen_model": True, "is_eagle_draft": False, "backend": "auto",
     "cpu_weight_layout": "auto", "cpu_attention_kernel": "auto", "cpu_fused_ops": "auto",
     "max_context_batch_tokens": None, "prefill_chunk_size": None, "mixed_chunk_buckets": None,
+    "mixed_steps": True,
 }
 
 
