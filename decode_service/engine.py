@@ -212,6 +212,8 @@ class DecodeEngine:
                            OutputText(self.tokenizer, job.stop.stop_strings), self.eos_ids, emit,
                            request_generator(job.sampling.seed), constraint=constraint)
             self._live[rid] = seq
+        if self.metrics is not None and not seq.scored:  # a prompt to score is computed whole
+            self.metrics.prefix_cache_hit_tokens_total.inc(seq.num_cached_tokens)
         return seq
 
     def kv_writer(self, seq: Sequence):

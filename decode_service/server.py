@@ -84,9 +84,9 @@ class DecodeServicer(convert.DecodeServicerBase):
 
     def _prefills_here(self, seq) -> bool:
         """No prefill worker was offered, the prompt is short, or this worker's prefix cache
-        holds all but a few of its tokens, and at least as many as it lacks: a prefill worker
-        would compute the whole prompt again (it keeps no cache), here only the rest is
-        computed. (The second condition keeps a short chat that shares only the chat
+        holds all but a few of its tokens, and at least as many as it lacks: here only the rest
+        is computed, where a prefill worker would compute the whole prompt again unless its own
+        prefix cache (--prefix-cache-blocks) holds it, and send the rest's KV over. (The second condition keeps a short chat that shares only the chat
         template's first block with others on the prefill worker.) A prompt to score
         (prompt_logprobs) is computed whole wherever it runs: its cache counts for nothing."""
         if not seq.job.prefill_candidates or seq.prompt_len <= self.local_max:

@@ -35,6 +35,7 @@ from nxdi_common.serving.sampling import (host_logits, model_global_topk, next_u
                                           request_generator, resample_on_host, sample_row,
                                           score_positions, token_logprobs)
 from nxdi_common.serving.types import PrefillJob, PromptLogprob, TokenLogprob
+from prefill_service.prefix_cache import PrefixCache, pieces
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class FirstTokenResult:
     compute_ns: int = 0  # wall time of the CTE batch that encoded the prompt
     # the prompt's scores when the request asked for them (SamplingOptions.prompt_logprobs)
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    cached_tokens: int = 0  # leading prompt tokens read from the prefix cache, not computed
 
 
 @dataclass
@@ -197,41 +199,110 @@ def copy_kv(cache: torch.Tensor, row: int, tokens: tuple[int, int],
             v.clone(memory_format=torch.contiguous_format))
 
 
-def run_batch(model, batch: list[PrefillTask]) -> list[PrefillOutput]:
-    """Encode ``batch`` in cache rows 0..B-1, sample first tokens and copy each request's KV out
-    (after which the rows are free again)."""
-    jobs = [t.job for t in batch]
-    ids, mask, positions, params, rand = batch_inputs(jobs)
-    rows = torch.arange(len(batch), dtype=torch.int32)  # [B] cache rows as seq_ids
+def run_batch(model, batch: list[PrefillTask], cache: PrefixCache | None = None
+              ) -> list[PrefillOutput]:
+    """Encode ``batch``, sample first tokens and copy each request's KV out. Without a prefix
+    cache in KV cache rows 0..B-1 (free again afterwards); with one in blocks (prefix_cache
+    module doc): the prompts with nothing cached (or to score) by one context encoding, the rest
+    past their cached prefix by chunked prefill."""
+    if cache is None:
+        return _run_flat(model, batch)
+    entries = []
+    computed = False
+    try:
+        for task in batch:
+            entries.append(cache.admit(task.job.request_id, task.job.prompt_ids,
+                                       whole=task.job.sampling.prompt_logprobs is not None))
+        start = time.perf_counter_ns()
+        whole = [i for i, e in enumerate(entries) if not e.reuse]
+        firsts: list = [None] * len(batch)  # (token, logits, uniform, scores) per task
+        if whole:
+            tasks = [batch[i] for i in whole]
+            ids = batch_inputs([t.job for t in tasks])[0]
+            blocks = cache.context_args([entries[i] for i in whole], ids.shape[1])
+            for i, first in zip(whole, _encode(model, tasks, blocks)):
+                firsts[i] = first
+        for i, entry in enumerate(entries):
+            if entry.reuse:
+                firsts[i] = _encode_rest(model, batch[i], entry, cache)
+        compute_ns = time.perf_counter_ns() - start
+        results = []
+        for task, entry, (token, logits, uniform, scores) in zip(batch, entries, firsts):
+            k, v = cache.copy_kv(entry, (task.job.kv_token_start, task.num_tokens), task.heads)
+            first = _first_token(model, task, token, logits, uniform)
+            results.append(PrefillOutput(FirstTokenResult(
+                *first, compute_ns, tuple(scores), cached_tokens=entry.reuse), k, v))
+        computed = True
+        return results
+    finally:
+        for entry in entries:
+            cache.release(entry, computed)
+
+
+def _run_flat(model, batch: list[PrefillTask]) -> list[PrefillOutput]:
+    """run_batch in cache rows 0..B-1 of a flat KV cache."""
     start = time.perf_counter_ns()
-    scores = [()] * len(batch)
-    if any(j.sampling.prompt_logprobs is not None for j in jobs):
-        out, scores = _scored(model, batch, ids, mask, positions, rows, rand)
-    else:
-        out = model.forward(ids, seq_ids=rows, attention_mask=mask, position_ids=positions,
-                            sampling_params=params, rand=rand)
+    firsts = _encode(model, batch)
     compute_ns = time.perf_counter_ns() - start
     results = []
-    for i, task in enumerate(batch):
-        token, logits, sampling = int(out.tokens[i]), out.logits[i], task.job.sampling
-        banned = task.job.banned_first  # min_tokens: the caller's EOS and stop tokens
-        if banned or resample_on_host(sampling, 0):  # e.g. logit_bias, a constraint: on the host
-            logits = host_logits(logits, [], sampling, task.constraint, task.job.prompt_ids,
-                                 banned)
-            token = sample_row(logits, sampling, float(rand[i]), model_global_topk(model))
-        logprob, top = token_logprobs(logits, token, sampling)
+    for i, (task, (token, logits, uniform, scores)) in enumerate(zip(batch, firsts)):
         k, v = copy_kv(model.kv_cache, i, (task.job.kv_token_start, task.num_tokens), task.heads)
-        results.append(PrefillOutput(
-            FirstTokenResult(token, logprob, top, compute_ns, tuple(scores[i])), k, v))
+        first = _first_token(model, task, token, logits, uniform)
+        results.append(PrefillOutput(FirstTokenResult(*first, compute_ns, tuple(scores)), k, v))
     return results
 
 
-def _scored(model, batch: list[PrefillTask], ids, mask, positions, rows, rand):
+def _encode(model, batch: list[PrefillTask], blocks: dict | None = None) -> list[tuple]:
+    """One context encoding of ``batch`` (rows 0..B-1; blocks: its slot_mapping and
+    block_table in a block KV cache): per task (token, last logits, uniform, scores)."""
+    jobs = [t.job for t in batch]
+    ids, mask, positions, params, rand = batch_inputs(jobs)
+    rows = torch.arange(len(batch), dtype=torch.int32)  # [B] cache rows as seq_ids
+    blocks = blocks or {}
+    scores = [()] * len(batch)
+    if any(j.sampling.prompt_logprobs is not None for j in jobs):
+        out, scores = _scored(model, batch, ids, mask, positions, rows, rand, blocks)
+    else:
+        out = model.forward(ids, seq_ids=rows, attention_mask=mask, position_ids=positions,
+                            sampling_params=params, rand=rand, **blocks)
+    return [(int(out.tokens[i]), out.logits[i], float(rand[i]), scores[i])
+            for i in range(len(batch))]
+
+
+def _encode_rest(model, task: PrefillTask, entry, cache: PrefixCache) -> tuple:
+    """A prompt past its cached prefix, in chunked-prefill pieces; (token, last logits,
+    uniform, ()) as _encode gives them."""
+    sampling, n = task.job.sampling, task.num_tokens
+    uniform = next_uniform(request_generator(sampling.seed))  # draw 0, as batch_inputs
+    params = torch.tensor([sampling.as_row()], dtype=torch.float32)
+    out = None
+    for start, end in pieces(entry.reuse, n, cache.sizes):
+        rand = torch.tensor([uniform if end == n else 0.0], dtype=torch.float32)
+        out = model.forward(**cache.piece_args(entry, start, end), sampling_params=params,
+                            rand=rand)
+    return int(out.tokens[0]), out.logits[0], uniform, ()
+
+
+def _first_token(model, task: PrefillTask, token: int, logits, uniform: float):
+    """(token, logprob, top logprobs) of a prompt's first token, resampled on the host where the
+    device's sampler cannot take the request's options (logit_bias, a constraint, min_tokens'
+    banned tokens)."""
+    sampling = task.job.sampling
+    banned = task.job.banned_first  # min_tokens: the caller's EOS and stop tokens
+    if banned or resample_on_host(sampling, 0):
+        logits = host_logits(logits, [], sampling, task.constraint, task.job.prompt_ids, banned)
+        token = sample_row(logits, sampling, uniform, model_global_topk(model))
+    logprob, top = token_logprobs(logits, token, sampling)
+    return token, logprob, top
+
+
+def _scored(model, batch: list[PrefillTask], ids, mask, positions, rows, rand, blocks: dict):
     """A batch with a request that scores its prompt (prompt_logprobs): every position's final
     hidden state (forward_hidden, eager), each row's last logits and first token sampled on the
     host as the device sampler would (sample_row, the row's uniform), and the scores of the
     rows that asked. (CausalLMOutput, per-row scores)."""
-    hidden = model.forward_hidden(ids, seq_ids=rows, attention_mask=mask, position_ids=positions)
+    hidden = model.forward_hidden(ids, seq_ids=rows, attention_mask=mask, position_ids=positions,
+                                  **blocks)
     scores, logits = [], []
     for i, task in enumerate(batch):
         n, top = task.num_tokens, task.job.sampling.prompt_logprobs
@@ -274,14 +345,16 @@ class PrefillEngine:
     called (from either thread) whenever those counts change."""
 
     def __init__(self, model, scheduler: PrefillScheduler,
-                 on_change: Callable[[int, int], None] | None = None, runner=None):
+                 on_change: Callable[[int, int], None] | None = None, runner=None,
+                 cache: PrefixCache | None = None):
         """runner: the ComputeThread (nxdi_common.serving.compute) that loaded the model, to run
-        the batches on; None: a thread of its own."""
+        the batches on; None: a thread of its own. cache: the prefix cache over the model's
+        block KV cache (None: a flat KV cache, every prompt computed whole)."""
         rows = model.neuron_config.max_batch_size
         if scheduler.ctx_batch_size > rows:
             raise ValueError(f"ctx_batch_size {scheduler.ctx_batch_size} exceeds the KV cache's "
                              f"{rows} rows (max_batch_size); raise max_batch_size")
-        self.model, self.scheduler = model, scheduler
+        self.model, self.scheduler, self.cache = model, scheduler, cache
         self.on_change = on_change or (lambda queued, running: None)
         self.running = 0  # prompts in the batch being encoded
         self.running_tokens = 0  # and their prompt tokens
@@ -362,8 +435,9 @@ class PrefillEngine:
     def _run(self, batch: list[PrefillTask]) -> None:
         """Run one batch and deliver its results (nothing of it stays referenced here)."""
         try:
-            results = run_batch(self.model, batch)
-            self.rate.add(self.running_tokens, time.perf_counter() - self.running_since)
+            results = run_batch(self.model, batch, self.cache)
+            computed = self.running_tokens - sum(r.first.cached_tokens for r in results)
+            self.rate.add(computed, time.perf_counter() - self.running_since)
             for task, result in zip(batch, results):
                 deliver(task, result)
         except Exception as exc:  # noqa: BLE001 - reported to every request of the batch

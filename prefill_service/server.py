@@ -25,10 +25,15 @@ from nxdi_common.serving.metrics import ServingMetrics
 from nxdi_common.serving.structured import compile_constraint
 from nxdi_common.serving.types import ModelLimits, PrefillJob, check_prompt, check_sampling
 from prefill_service import convert
+from prefill_service.prefix_cache import PrefixCache
 from prefill_service.scheduler import (ORDERS, LoadReport, PrefillEngine, PrefillOutput,
                                        PrefillScheduler, PrefillTask, check_order)
 
 log = logging.getLogger("prefill_service")
+
+
+# 16,384 tokens of 16: on the bundled model in bfloat16 (23 KB of K+V a token) 377 MB.
+DEFAULT_PREFIX_CACHE_BLOCKS = 1024
 
 
 @dataclass(frozen=True)
@@ -54,12 +59,20 @@ class PrefillSettings:
     # "shortest" (shortest length bucket first, until the oldest has waited max_overtaken_s).
     order: str = "arrival"
     max_overtaken_s: float = 1.0
+    # The prefix cache (prefix_cache module doc): KV blocks of block_size tokens that keep the
+    # prompts encoded here, so a prompt starting with an earlier one's prefix has only the rest
+    # computed. 0: off (a flat KV cache, every prompt computed whole).
+    prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS
+    block_size: int = 16
 
     def __post_init__(self):
         for name in ("max_batch_size", "ctx_batch_size", "max_queued_requests",
                      "max_chunk_bytes", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.prefix_cache_blocks < 0 or self.block_size < 1:
+            raise ValueError(f"prefix_cache_blocks must be >= 0 (0: off) and block_size >= 1, "
+                             f"got {self.prefix_cache_blocks} and {self.block_size}")
         if not 0 <= self.kv_socket_port <= 65535:
             raise ValueError(f"kv_socket_port must be 0..65535 (0: a free port), got "
                              f"{self.kv_socket_port}")
@@ -72,6 +85,22 @@ class PrefillSettings:
         if self.ctx_batch_size > self.max_batch_size:
             raise ValueError(f"ctx_batch_size {self.ctx_batch_size} exceeds max_batch_size "
                              f"{self.max_batch_size}; raise --max-batch-size")
+
+    def check_prefix_cache(self, max_model_len: int) -> None:
+        """ValueError unless the prefix cache (when on) holds any batch these settings allow:
+        one prompt of max_model_len tokens, or a batch of max_batch_tokens padded tokens (at
+        most ctx_batch_size prompts of max_model_len) with a partly filled last block each."""
+        if not self.prefix_cache_blocks:
+            return
+        def blocks(tokens):
+            return -(-tokens // self.block_size)
+        batch = min(self.max_batch_tokens, self.ctx_batch_size * max_model_len)
+        least = max(blocks(max_model_len), blocks(batch) + self.ctx_batch_size)
+        if self.prefix_cache_blocks < least:
+            raise ValueError(f"prefix_cache_blocks {self.prefix_cache_blocks} cannot hold a "
+                             f"batch: at least {least} blocks of {self.block_size} tokens for "
+                             f"max_model_len {max_model_len} and max_batch_tokens "
+                             f"{self.max_batch_tokens}")
 
 
 def check_fingerprint(ours: ModelFingerprint, theirs: ModelFingerprint | None) -> None:
@@ -185,6 +214,7 @@ class PrefillServicer:
             await write(context, convert.first_token_event(out.first))
             self.metrics.time_to_first_token_seconds.observe(_seconds_since(arrival_ns))
             self.metrics.prompt_tokens_total.inc(task.num_tokens)
+            self.metrics.prefix_cache_hit_tokens_total.inc(out.first.cached_tokens)
             self._count_transfer(+1)
             try:
                 done = await self._send_kv(task, out, context, chunk_bytes)
@@ -289,7 +319,12 @@ class PrefillApp:
                                      settings.max_queued_requests,
                                      {n: cte.max_batch(n) for n in cte.length_buckets},
                                      settings.order, settings.max_overtaken_s)
-        self.engine = PrefillEngine(model, scheduler, self._on_change, runner)
+        nc = model.neuron_config
+        cache = None
+        if nc.is_block_kv_layout:
+            settings.check_prefix_cache(nc.seq_len)
+            cache = PrefixCache(model, nc.pa_num_blocks, nc.pa_block_size)
+        self.engine = PrefillEngine(model, scheduler, self._on_change, runner, cache)
         limits = ModelLimits(model.neuron_config.seq_len, model.config.vocab_size)
         self.servicer = PrefillServicer(self.engine, fingerprint, limits, self.metrics, settings,
                                         grammars)
@@ -354,6 +389,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-overtaken-seconds", type=float, default=1.0, metavar="S",
                    help="with --order shortest: once the oldest waiting prompt has waited S "
                         "seconds it goes next, whatever its length (bounds a long prompt's wait)")
+    p.add_argument("--prefix-cache-blocks", type=int, default=DEFAULT_PREFIX_CACHE_BLOCKS,
+                   metavar="N",
+                   help="keep the KV of the prompts encoded here in N blocks of --block-size "
+                        "tokens, so a prompt that starts with an earlier one's prefix (a shared "
+                        "system prompt or document, earlier chat turns) has only the rest "
+                        "computed; least recently used blocks are evicted (0: off, every "
+                        "prompt computed whole in a flat KV cache)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per prefix cache block")
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES,
                    help="K+V payload per KV chunk, in bytes")
     p.add_argument("--kv-socket", choices=("on", "off"), default="on",
@@ -379,15 +423,18 @@ def settings_from_args(args: argparse.Namespace) -> PrefillSettings:
     return PrefillSettings(args.max_batch_size, args.ctx_batch_size, args.max_queued_requests,
                            args.max_chunk_bytes, args.max_batch_tokens, args.kv_socket == "on",
                            args.kv_socket_port, args.kv_socket_accept_seconds,
-                           args.kv_socket_min_bytes, args.order, args.max_overtaken_seconds)
+                           args.kv_socket_min_bytes, args.order, args.max_overtaken_seconds,
+                           args.prefix_cache_blocks, args.block_size)
 
 
 def load_app(args: argparse.Namespace) -> PrefillApp:
     """Load the model the arguments name and build the worker around it."""
     settings = settings_from_args(args)
     opts = worker.model_options_from_args(args)
+    settings.check_prefix_cache(opts.max_model_len)  # before the model loads
     config = worker.prefill_neuron_config(opts, settings.max_batch_size, settings.ctx_batch_size,
-                                          settings.max_batch_tokens)
+                                          settings.max_batch_tokens, settings.prefix_cache_blocks,
+                                          settings.block_size)
     # the model loads, and its batches run, on one thread (nxdi_common/serving/compute.py)
     compute = ComputeThread(opts.threads, "prefill-engine")
     model = compute.call(worker.load_model, opts, config)

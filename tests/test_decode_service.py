@@ -575,11 +575,13 @@ def test_chunked_prefill_and_a_cached_prefix_match_transformers(decode_chunked, 
     starts past them, reading them through the block table), give transformers' tokens."""
     first = list(range(2000, 2200))
     prompts = [first, first[:160] + list(range(5000, 5040)), first, list(range(300, 317))]
+    hits = _metric(decode_chunked, "nxdi_prefix_cache_hit_tokens_total")
     for i, ids in enumerate(prompts):  # one after the other: the later ones hit the cache
         events = run(collect(decode_chunked.grpc, request(f"c{i}", ids, max_tokens=10)))
         assert [e.token_id for e in events] == greedy(reference, ids, 10), i
         cached = events[-1].usage.cached_prompt_tokens
         assert cached == (0, 160, 192, 0)[i], (i, cached)
+    assert _metric(decode_chunked, "nxdi_prefix_cache_hit_tokens_total") - hits == 160 + 192
 
 
 def test_the_next_turn_finds_the_previous_answers_kv_in_the_prefix_cache(decode_chunked,

@@ -29,6 +29,7 @@ EXPECTED_FAMILIES = {
     "nxdi_kv_socket_fallbacks": "counter",
     "nxdi_admission_waits": "counter",
     "nxdi_preemptions": "counter",
+    "nxdi_prefix_cache_hit_tokens": "counter",
     "nxdi_local_prefills": "counter",
 }
 

@@ -34,7 +34,8 @@ GREEDY = pb.SamplingParams(temperature=0)
 def load(ckpt, max_model_len: int, settings: PrefillSettings):
     opts = worker.ModelOptions(str(ckpt), "float32", max_model_len, "eager", None, 1)
     config = worker.prefill_neuron_config(opts, settings.max_batch_size, settings.ctx_batch_size,
-                                          settings.max_batch_tokens)
+                                          settings.max_batch_tokens, settings.prefix_cache_blocks,
+                                          settings.block_size)
     model = worker.load_model(opts, config)
     return model, worker.model_fingerprint(model, opts)
 
@@ -88,9 +89,11 @@ class LiveWorker:
         self.loop.close()
 
 
-@pytest.fixture(scope="module")
-def live(tiny_llama_ckpt, one_torch_thread):
-    w = LiveWorker(tiny_llama_ckpt)
+@pytest.fixture(scope="module", params=[0, 80], ids=["flat", "prefix-cache"])
+def live(request, tiny_llama_ckpt, one_torch_thread):
+    """A worker with a flat KV cache, and one with a prefix cache (block KV cache): each test
+    runs on both."""
+    w = LiveWorker(tiny_llama_ckpt, prefix_cache_blocks=request.param)
     yield w
     w.close()
 

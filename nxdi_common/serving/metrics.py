@@ -67,6 +67,8 @@ COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
      "(served when room came, or shed with 429 after --queue-timeout-seconds)"),
     ("preemptions", "Running sequences a decode worker preempted for lack of a free KV block "
      "(KV copied to host memory, copied back into new blocks when there are some)"),
+    ("prefix_cache_hit_tokens", "Prompt tokens read from the worker's prefix cache instead of "
+     "computed (prefill: its own cache; decode: its cache, neither computed nor pulled)"),
     ("local_prefills", "Prompts prefilled by their decode worker (router: requests it sent "
      "without prefill candidates; decode: prompts it prefilled itself)"),
 )
@@ -101,7 +103,7 @@ class ServingMetrics:
     ``generated_tokens_total``, ``prompt_tokens_total``, ``decode_steps_total``,
     ``token_generation_calls_total``, ``mixed_steps_total``, ``deferred_pieces_total``,
     ``kv_socket_transfers_total``,
-    ``kv_socket_fallbacks_total``,
+    ``kv_socket_fallbacks_total``, ``prefix_cache_hit_tokens_total``,
     ``local_prefills_total``; and ``requests_total``, an
     :class:`OutcomeCounter` (``requests_total.inc("ok")``)."""
 

@@ -1,8 +1,10 @@
 """Model loading for the prefill and decode workers: command-line options, the NeuronConfig each
 role needs, compile-or-load through the persistent cache, the tokenizer, and the model fingerprint.
 
-A prefill worker runs context encoding (CTE) over a flat KV cache with one row per prompt in flight;
-a decode worker runs token generation (TKG) over a block KV cache (and CTE for local prefill)."""
+A prefill worker runs context encoding (CTE) over a flat KV cache with one row per prompt in flight,
+or over a block KV cache that keeps its prompts' prefixes (with chunked prefill for the rest of a
+prompt past one); a decode worker runs token generation (TKG) over a block KV cache (and CTE for
+local prefill)."""
 from __future__ import annotations
 
 import argparse
@@ -120,13 +122,42 @@ def model_options_from_args(args) -> ModelOptions:
 
 
 
+# A prefill worker's chunked-prefill lengths (prefix cache): the rest of a prompt past its cached
+# prefix runs in pieces of the largest that it fills, the last padded to the smallest that holds
+# it (prefill_service/prefix_cache.pieces): under 32 padded tokens a prompt, at most log2 calls.
+PREFILL_PIECE_SIZES = (32, 64, 128, 256, 512)
+
+
 def prefill_neuron_config(opts: ModelOptions, max_batch_size: int, ctx_batch_size: int,
-                          max_batch_tokens: int | None = None):
-    """Flat KV cache, one row per prompt being encoded; CTE batches of up to ctx_batch_size
-    prompts, of several prompts only within max_batch_tokens padded tokens."""
+                          max_batch_tokens: int | None = None, prefix_cache_blocks: int = 0,
+                          block_size: int = 16):
+    """CTE batches of up to ctx_batch_size prompts, of several prompts only within
+    max_batch_tokens padded tokens. Without a prefix cache a flat KV cache, one row per prompt
+    being encoded; with one (prefix_cache_blocks > 0) a block KV cache of that many blocks and
+    chunked-prefill sub-models (PREFILL_PIECE_SIZES up to max_model_len) for the rest of a
+    prompt past its cached prefix; no mixed sub-models (a prefill worker never decodes)."""
+    kwargs = {}
+    if prefix_cache_blocks:
+        sizes = [n for n in PREFILL_PIECE_SIZES if n < opts.max_model_len] or [opts.max_model_len - 1]
+        kwargs.update(is_block_kv_layout=True, pa_num_blocks=prefix_cache_blocks,
+                      pa_block_size=block_size, prefill_chunk_size=sizes[-1],
+                      mixed_chunk_buckets=sizes, mixed_steps=False,
+                      cpu_attention_kernel=opts.attention_kernel, **_paged_token_generation(opts))
     return _neuron_config(opts, max_batch_size=max_batch_size, ctx_batch_size=ctx_batch_size,
                           tkg_batch_size=1, max_context_batch_tokens=max_batch_tokens,
-                          cpu_weight_layout=prefill_weight_layout(opts))
+                          cpu_weight_layout=prefill_weight_layout(opts), **kwargs)
+
+
+def _paged_token_generation(opts: ModelOptions) -> dict:
+    """One token-generation length bucket when the paged attention kernel builds here: each row
+    reads only its own blocks, so a call costs the same in every length bucket (fewer graphs to
+    build); else {} (the default buckets)."""
+    if opts.attention_kernel == "sdpa":
+        return {}
+    from nxdi_common.kernels import kernels_unavailable_reason
+    if kernels_unavailable_reason() is not None:
+        return {}
+    return {"token_generation_buckets": [opts.max_model_len]}
 
 
 def prefill_weight_layout(opts: ModelOptions) -> str:
@@ -157,12 +188,7 @@ def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: in
         kwargs["prefill_chunk_size"] = prefill_chunk_tokens
         if piece_sizes:
             kwargs["mixed_chunk_buckets"] = list(piece_sizes)
-    if opts.attention_kernel != "sdpa":
-        from nxdi_common.kernels import kernels_unavailable_reason
-        if kernels_unavailable_reason() is None:
-            # Each row reads only its own blocks: a step costs the same in every length bucket,
-            # so one bucket serves every length (one TKG call per step, fewer graphs to build).
-            kwargs["token_generation_buckets"] = [opts.max_model_len]
+    kwargs.update(_paged_token_generation(opts))  # one TKG call per step
     return _neuron_config(opts, max_batch_size=max_batch_size, ctx_batch_size=1,
                           tkg_batch_size=max_batch_size, is_block_kv_layout=True,
                           pa_num_blocks=num_blocks, pa_block_size=block_size,
