@@ -218,20 +218,17 @@ def run_batch(model, batch: list[PrefillTask], cache: PrefixCache | None = None
         firsts: list = [None] * len(batch)  # (token, logits, uniform, scores) per task
         if whole:
             tasks = [batch[i] for i in whole]
-            ids = batch_inputs([t.job for t in tasks])[0]
-            blocks = cache.context_args([entries[i] for i in whole], ids.shape[1])
+            width = max(t.num_tokens for t in tasks)  # batch_inputs pads the ids to it
+            blocks = cache.context_args([entries[i] for i in whole], width)
             for i, first in zip(whole, _encode(model, tasks, blocks)):
                 firsts[i] = first
         for i, entry in enumerate(entries):
             if entry.reuse:
                 firsts[i] = _encode_rest(model, batch[i], entry, cache)
         compute_ns = time.perf_counter_ns() - start
-        results = []
-        for task, entry, (token, logits, uniform, scores) in zip(batch, entries, firsts):
-            k, v = cache.copy_kv(entry, (task.job.kv_token_start, task.num_tokens), task.heads)
-            first = _first_token(model, task, token, logits, uniform)
-            results.append(PrefillOutput(FirstTokenResult(
-                *first, compute_ns, tuple(scores), cached_tokens=entry.reuse), k, v))
+        results = _outputs(model, batch, firsts, compute_ns,
+                           lambda i, span, heads: cache.copy_kv(entries[i], span, heads),
+                           [e.reuse for e in entries])
         computed = True
         return results
     finally:
@@ -243,12 +240,20 @@ def _run_flat(model, batch: list[PrefillTask]) -> list[PrefillOutput]:
     """run_batch in cache rows 0..B-1 of a flat KV cache."""
     start = time.perf_counter_ns()
     firsts = _encode(model, batch)
-    compute_ns = time.perf_counter_ns() - start
+    return _outputs(model, batch, firsts, time.perf_counter_ns() - start,
+                    lambda i, span, heads: copy_kv(model.kv_cache, i, span, heads))
+
+
+def _outputs(model, batch: list[PrefillTask], firsts: list[tuple], compute_ns: int, kv_of,
+             cached: list[int] | None = None) -> list[PrefillOutput]:
+    """Each task's PrefillOutput: its first token (_first_token) from _encode's (token, logits,
+    uniform, scores), and its KV from kv_of(batch index, (t0, n), heads)."""
     results = []
     for i, (task, (token, logits, uniform, scores)) in enumerate(zip(batch, firsts)):
-        k, v = copy_kv(model.kv_cache, i, (task.job.kv_token_start, task.num_tokens), task.heads)
+        k, v = kv_of(i, (task.job.kv_token_start, task.num_tokens), task.heads)
         first = _first_token(model, task, token, logits, uniform)
-        results.append(PrefillOutput(FirstTokenResult(*first, compute_ns, tuple(scores)), k, v))
+        results.append(PrefillOutput(FirstTokenResult(
+            *first, compute_ns, tuple(scores), cached[i] if cached else 0), k, v))
     return results
 
 
