@@ -35,6 +35,10 @@ from router.admission import AdmissionQueue
 from router.frontend import RoutedRequest
 from router.policies import DECODE, PREFILL, LocalPrefillRule, WorkerState
 
+# Routes between two calls of the policy's forget_workers (dropping what it keeps about workers
+# discovery no longer lists: with DNS discovery pods come and go by address).
+FORGET_EVERY_ROUTES = 1024
+
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("router.requests")
 HTTP_FOR_CODE = {
@@ -129,6 +133,7 @@ class Dispatcher:
         self.request_timeout_seconds = request_timeout_seconds
         self.local_prefill = local_prefill
         self.admission = admission if admission is not None else AdmissionQueue()
+        self._routed = 0
 
     def plan(self, req: RoutedRequest) -> tuple[list[WorkerState], list[WorkerState]]:
         """Decode workers to try, best first, and the prefill candidates, best first."""
@@ -231,21 +236,35 @@ class Dispatcher:
         if not decodes:
             raise Unavailable(self.unhealthy_reason() or "no decode worker can take requests")
         for worker in decodes:
-            call = self._start(worker, req, prefills, deadline)
+            call, prefill = self._start(worker, req, prefills, deadline)
             try:
                 first = await self._first_token(call, worker.address, refused)
             except BaseException:
                 call.cancel()
                 raise
             if first is not None:
+                self._note_routed(req, worker, prefill)
                 return call, worker.address, first
             call.cancel()
         if refused:
             return None
         raise Unavailable(self.unhealthy_reason() or "every decode worker failed")
 
+    def _note_routed(self, req: RoutedRequest, decode: WorkerState,
+                     prefill: WorkerState | None) -> None:
+        """Tell the policy where an accepted request went (the first prefill candidate is where
+        its prompt most likely went: the decode worker tries them in order); now and then let it
+        forget workers that discovery no longer lists."""
+        self.policy.note_routed(req.prompt_ids, decode, prefill)
+        self._routed += 1
+        if self._routed % FORGET_EVERY_ROUTES == 0:
+            self.policy.forget_workers({w.address for role in (DECODE, PREFILL)
+                                        for w in self.registry.workers(role)})
+
     def _start(self, worker: WorkerState, req: RoutedRequest, ranked: list[WorkerState],
                deadline: float):
+        """The decode worker's call, and the prefill candidate it will try first (None when it
+        prefills locally)."""
         prefills = compatible_prefills(worker, ranked)
         if prefills and self.local_prefill.prefill_locally(
                 len(req.prompt_ids), [w for w in ranked if w.address in prefills], worker):
@@ -259,7 +278,7 @@ class Dispatcher:
                                       remaining)
         self.registry.note_dispatch(worker.address, prefills[0] if prefills else None,
                                     len(req.prompt_ids))
-        return call
+        return call, next((w for w in ranked if prefills and w.address == prefills[0]), None)
 
     async def _first_token(self, call, address: str, refused: list[str]) -> TokenOutput | None:
         """The first token; None when this worker refused (try the next)."""

@@ -6,6 +6,7 @@ decode worker tries prefill candidates in that order)::
 
     rank_decode(prompt_ids, workers)  -> list[WorkerState]
     rank_prefill(prompt_ids, workers) -> list[WorkerState]
+    note_routed(prompt_ids, decode, prefill)  # the request went there (prefill None: local)
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, PrefixIndex, block_hashes
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
@@ -153,7 +156,18 @@ class LocalPrefillRule:
         return local is None or not remote or local <= min(remote)
 
 
-class LeastLoaded:
+class _Policy:
+    """What every policy does with a routed request by default: nothing."""
+
+    def note_routed(self, prompt_ids: Sequence[int], decode: WorkerState,
+                    prefill: WorkerState | None) -> None:
+        pass
+
+    def forget_workers(self, addresses: set[str]) -> None:
+        """Drop whatever is kept about workers not in ``addresses`` (gone from discovery)."""
+
+
+class LeastLoaded(_Policy):
     """Rank by the load keys above."""
 
     name = "least-loaded"
@@ -166,7 +180,7 @@ class LeastLoaded:
         return sorted(healthy, key=prefill_load_key(len(prompt_ids), healthy))
 
 
-class RoundRobin:
+class RoundRobin(_Policy):
     """Rotate through the healthy workers (sorted by address), one step per request and role."""
 
     name = "round-robin"
@@ -207,7 +221,7 @@ def rendezvous_order(key: bytes, workers: Sequence[WorkerState]) -> list[WorkerS
     return sorted(workers, key=score, reverse=True)
 
 
-class PrefixAffinity:
+class PrefixAffinity(_Policy):
     """Requests sharing a prefix go to the same workers (so their prefix caches hit).
 
     The rendezvous winner over all known workers is taken first when it is healthy and (for
@@ -235,12 +249,99 @@ class PrefixAffinity:
                           prefill_load_key(len(prompt_ids), _healthy(workers)), lambda w: False)
 
 
-POLICIES = {p.name: p for p in (LeastLoaded, RoundRobin, PrefixAffinity)}
+class CacheAware(_Policy):
+    """Prefix-cache-aware and load-aware: each worker is ranked by the work a request would cost
+    it, counting the prompt blocks it is believed to hold already (router.prefix_index: the
+    chains of block hashes this router has sent it) as work it need not do.
+
+    Decode workers, in KV blocks: ``(1 + overlap_weight) * uncached + used``, where ``uncached``
+    is the prompt's full blocks the worker does not hold (it must receive or compute them, and
+    they become new blocks in its pool) and ``used`` is the blocks its running sequences hold
+    (the load report's kv_blocks_used). A request goes where its prefix is unless that worker
+    holds ``(1 + overlap_weight)`` times the prefix's blocks more than another: a hot prefix
+    (a long system prompt every request shares) spreads over every worker, each of which then
+    holds it, where prefix-affinity sends it all to one; a chat's next turn goes back to the
+    worker holding its history, where least-loaded sends it wherever there is room. (Dynamo's
+    KV router weighs the same two counts.) Workers without a free block go last.
+
+    Prefill workers, in prompt tokens: the tokens ahead of the prompt plus the prompt's tokens
+    the worker does not hold, divided by its measured rate when every candidate reports one
+    (prefill_load_key with the cached tokens taken off).
+
+    ``overlap_weight`` 0 counts a cached block as saving only its room in the pool; larger
+    values trade more load for cache hits."""
+
+    name = "cache-aware"
+
+    def __init__(self, overlap_weight: float = 1.0):
+        if isinstance(overlap_weight, bool) or not isinstance(overlap_weight, (int, float)) \
+                or not overlap_weight >= 0:
+            raise ValueError(f"cache overlap weight must be a number >= 0, got {overlap_weight!r}")
+        self.overlap_weight = float(overlap_weight)
+        self.index = PrefixIndex()
+        self._hashes: tuple[Sequence[int] | None, int, list[int]] = (None, 0, [])
+
+    def hashes(self, prompt_ids: Sequence[int], block_size: int) -> list[int]:
+        """block_hashes of the prompt, remembered for the request being routed (ranking both
+        roles and noting the route hash one prompt three times)."""
+        ids, size, hashes = self._hashes
+        if ids is not prompt_ids or size != block_size:
+            hashes = block_hashes(prompt_ids, block_size)
+            self._hashes = (prompt_ids, block_size, hashes)
+        return hashes
+
+    def matched_tokens(self, prompt_ids: Sequence[int], w: WorkerState) -> int:
+        size = block_size_of(w)
+        return self.index.matched_blocks(w.address, self.hashes(prompt_ids, size)) * size
+
+    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+        def key(w: WorkerState) -> tuple:
+            load = w.current_load
+            size = block_size_of(w)
+            uncached = len(prompt_ids) // size - self.matched_tokens(prompt_ids, w) // size
+            cost = (1 + self.overlap_weight) * uncached + load.kv_blocks_used
+            return (load.kv_blocks_free == 0, cost,
+                    load.running_sequences + load.queued_requests, w.address)
+        return sorted(_healthy(workers), key=key)
+
+    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+        healthy = _healthy(workers)
+        now = time.monotonic_ns()
+        timed = all(w.current_load.prefill_tokens_per_s > 0 for w in healthy)
+
+        def key(w: WorkerState) -> tuple:
+            load = w.current_load
+            work = tokens_ahead_at(load, now) + len(prompt_ids) \
+                - self.matched_tokens(prompt_ids, w)
+            return (work / load.prefill_tokens_per_s if timed else work), load.open_transfers, \
+                w.address
+        return sorted(healthy, key=key)
+
+    def note_routed(self, prompt_ids: Sequence[int], decode: WorkerState,
+                    prefill: WorkerState | None) -> None:
+        for w in (decode, prefill):
+            if w is not None:
+                load = w.current_load
+                capacity = load.kv_blocks_used + load.kv_blocks_free or DEFAULT_CAPACITY_BLOCKS
+                self.index.record(w.address, self.hashes(prompt_ids, block_size_of(w)), capacity)
+
+    def forget_workers(self, addresses: set[str]) -> None:
+        self.index.forget(addresses)
 
 
-def make_policy(name: str):
-    """A fresh policy instance by its command-line name."""
+def block_size_of(w: WorkerState) -> int:
+    """The worker's KV block size as it reports it (16, the default, before it has)."""
+    return w.current_load.kv_block_size or AFFINITY_BLOCK_TOKENS
+
+
+POLICIES = {p.name: p for p in (CacheAware, LeastLoaded, RoundRobin, PrefixAffinity)}
+
+
+def make_policy(name: str, **options):
+    """A fresh policy instance by its command-line name; ``options`` for CacheAware
+    (overlap_weight)."""
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}") from None
+    return cls(**options) if cls is CacheAware else cls()

@@ -29,7 +29,8 @@ from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend
 from router.grpc_service import RouterServicer
 from router.openai_api import create_app
-from router.policies import DECODE, POLICIES, PREFILL, LocalPrefillRule, make_policy
+from router.policies import (DECODE, POLICIES, PREFILL, CacheAware, LocalPrefillRule,
+                             make_policy)
 from router.registry import Registry, join_host_port
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class RouterSettings:
     decode: tuple[str, ...] = ()
     prefill_dns: tuple[str, ...] = ()
     decode_dns: tuple[str, ...] = ()
-    policy: str = "least-loaded"
+    policy: str = "cache-aware"
     refresh_seconds: float = 1.0
     request_timeout_seconds: float = 600.0
     shutdown_grace_seconds: float = 10.0
@@ -57,10 +58,10 @@ class RouterSettings:
     queue_timeout_seconds: float = 60.0  # router/admission.py; 0: shed at once
     max_queued_requests: int = 1024
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # router/auth.py; () = open
+    cache_overlap_weight: float = 1.0  # policies.CacheAware
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        _ = self.make_policy()  # ValueError naming the policy or its weight when bad
         for name in ("refresh_seconds", "request_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -69,6 +70,12 @@ class RouterSettings:
                              f"got {self.shutdown_grace_seconds}")
         _ = self.local_prefill  # ValueError naming the field when a local_prefill_* is bad
         _ = self.admission  # likewise for the queue's settings
+
+    def make_policy(self):
+        """A fresh instance of the configured routing policy."""
+        options = {"overlap_weight": self.cache_overlap_weight} \
+            if self.policy == CacheAware.name else {}
+        return make_policy(self.policy, **options)
 
     @property
     def admission(self) -> AdmissionQueue:
@@ -129,7 +136,7 @@ class RunningRouter:
                             settings.poll_timeout_seconds)
         await registry.refresh()
         registry.start(settings.refresh_seconds)
-        dispatcher = Dispatcher(registry, make_policy(settings.policy),
+        dispatcher = Dispatcher(registry, settings.make_policy(),
                                 metrics or ServingMetrics("router"),
                                 settings.request_timeout_seconds, settings.local_prefill,
                                 settings.admission)
@@ -213,7 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a DNS name whose every address is a prefill worker (repeatable)")
     g.add_argument("--decode-dns", action="append", default=[], metavar="HOST:PORT",
                    help="a DNS name whose every address is a decode worker (repeatable)")
-    g.add_argument("--policy", choices=sorted(POLICIES), default="least-loaded")
+    g.add_argument("--policy", choices=sorted(POLICIES), default=RouterSettings.policy,
+                   help="how workers are ranked for a request (README, \"Routing\"): "
+                        "cache-aware (default) counts the prompt blocks each worker is believed "
+                        "to hold as work saved, against its load")
+    g.add_argument("--cache-overlap-weight", type=float,
+                   default=RouterSettings.cache_overlap_weight,
+                   help="cache-aware: how much a decode worker's cached prompt block counts "
+                        "beside a block its running sequences hold (0: only the room it saves)")
     g.add_argument("--refresh-seconds", type=float, default=1.0,
                    help="how often worker load is polled and DNS names re-resolved")
     g.add_argument("--request-timeout-seconds", type=float, default=600.0,
@@ -250,7 +264,7 @@ def settings_from_args(args) -> RouterSettings:
                           args.shutdown_grace_seconds, args.local_prefill_max_tokens,
                           args.local_prefill_queue_tokens, args.local_prefill_always_tokens,
                           args.queue_timeout_seconds, args.max_queued_requests,
-                          keys_from(args.api_key))
+                          keys_from(args.api_key), args.cache_overlap_weight)
 
 
 async def serve(args) -> None:

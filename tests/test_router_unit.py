@@ -5,6 +5,7 @@ OpenAI response shapes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -23,9 +24,11 @@ from router.frontend import ModelFrontend, RoutedRequest
 from router.openai_format import ChatFormatter, CompletionFormatter, finish_reason
 from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed, chat_tools,
                                   completion_to_routed, completions_to_routed, structured_field)
-from router.policies import (DECODE, PREFILL, LeastLoaded, LocalPrefillRule, PrefixAffinity,
-                             RoundRobin, WorkerLoad, WorkerState, affinity_key, make_policy,
-                             prefill_eta_s, prompt_tokens_ahead, rendezvous_order)
+from nxdi_common.block_manager import BlockManager
+from router.policies import (DECODE, PREFILL, CacheAware, LeastLoaded, LocalPrefillRule,
+                             PrefixAffinity, RoundRobin, WorkerLoad, WorkerState, affinity_key,
+                             make_policy, prefill_eta_s, prompt_tokens_ahead, rendezvous_order)
+from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, PrefixIndex, block_hashes
 from router.registry import Registry, resolve, split_host_port
 
 MAX_MODEL_LEN = 64
@@ -133,8 +136,124 @@ def test_prefix_affinity_falls_back_to_least_loaded():
         addresses(LeastLoaded().rank_decode(prompt, decodes))  # shorter than a block
 
 
+def test_block_hashes_are_the_workers_cache_keys():
+    """The index keys a prompt's full blocks as a worker's BlockManager seals them: a worker
+    that computed a prompt shares exactly the blocks whose hashes the index would record."""
+    prompt = list(range(300, 350))  # 3 full blocks of 16 and 2 tokens
+    hashes = block_hashes(prompt, 16)
+    assert len(hashes) == 3 and block_hashes(prompt[:47], 16) == hashes[:2]
+    assert block_hashes(prompt, 8)[:1] != hashes[:1] and block_hashes(prompt[:15], 16) == []
+    bm = BlockManager(16, 16)
+    bm.allocate("a", prompt)
+    bm.mark_computed("a", len(prompt))
+    bm.free("a")
+    for blocks in range(4):
+        longer = prompt[:16 * blocks] + [9] * 20
+        assert bm.allocate(f"b{blocks}", longer).num_cached_tokens == 16 * min(blocks, 3)
+        bm.free(f"b{blocks}")
+    assert block_hashes([7] * 16 + prompt[16:32], 16)[1] != hashes[1]  # chained on the first
+
+
+def test_prefix_index_matches_leading_blocks_and_forgets_tails_first():
+    index = PrefixIndex()
+    a, b = block_hashes(list(range(64)), 16), block_hashes(list(range(100, 164)), 16)
+    index.record("w:1", a, capacity_blocks=6)
+    assert index.matched_blocks("w:1", a) == 4 and index.matched_blocks("w:2", a) == 0
+    assert index.matched_blocks("w:1", a[:2] + b[2:]) == 2
+    assert index.matched_blocks("w:1", [b[0]] + a[1:]) == 0  # leading blocks only
+    index.record("w:1", b, capacity_blocks=6)  # 8 blocks > 6: a's two deepest go
+    assert index.matched_blocks("w:1", a) == 2 and index.matched_blocks("w:1", b) == 4
+    assert index.blocks_held("w:1") == 6
+    index.record("w:2", a, capacity_blocks=6)
+    index.forget({"w:2"})
+    assert index.blocks_held("w:1") == 0 and index.matched_blocks("w:2", a) == 4
+
+
+def cache_decode(address, used, free=100, running=0):
+    load = WorkerLoad(kv_blocks_used=used, kv_blocks_free=free, running_sequences=running,
+                      kv_block_size=16, role=DECODE)
+    return WorkerState(address, DECODE, True, load, "")
+
+
+def test_cache_aware_sends_a_chats_next_turn_back_to_its_history():
+    """Turn 1 went to a:1; while a:1 holds more running blocks than b:1 (least-loaded would
+    pick b:1), turn 2, which starts with turn 1's prompt, goes back to a:1 until a:1's load
+    outweighs the prefill the cached blocks save: (1 + weight) x uncached + used."""
+    policy = CacheAware()
+    a, b = cache_decode("a:1", used=0), cache_decode("b:1", used=0)
+    turn1 = list(range(1000, 1320))  # 20 blocks
+    assert addresses(policy.rank_decode(turn1, [b, a])) == ["a:1", "b:1"]  # tie: address
+    policy.note_routed(turn1, a, None)
+    turn2 = turn1 + list(range(5000, 5064))  # 24 blocks, 20 of them on a:1
+    # cost 2 * 4 + 30 = 38 < 48
+    a.load = dataclasses.replace(a.load, kv_blocks_used=30, kv_blocks_free=70)
+    assert addresses(LeastLoaded().rank_decode(turn2, [a, b]))[0] == "b:1"
+    assert addresses(policy.rank_decode(turn2, [a, b])) == ["a:1", "b:1"]
+    # 2 * 4 + 41 = 49 > 48: the load wins
+    a.load = dataclasses.replace(a.load, kv_blocks_used=41, kv_blocks_free=59)
+    assert addresses(policy.rank_decode(turn2, [a, b])) == ["b:1", "a:1"]
+    heavier = CacheAware(overlap_weight=3.0)  # 4 * 4 + 41 = 57 < 4 * 24 = 96
+    heavier.note_routed(turn1, a, None)
+    assert addresses(heavier.rank_decode(turn2, [a, b])) == ["a:1", "b:1"]
+
+
+def test_cache_aware_spreads_a_hot_prefix_over_every_worker():
+    """Every request shares a 256-token system prompt. prefix-affinity sends them all to one
+    worker while it has a free block; cache-aware sends the next one elsewhere once the
+    first holds enough running blocks, and from then on both hold the prefix."""
+    system = list(range(2000, 2256))
+    decodes = [cache_decode(f"d{i}:1", used=0) for i in range(2)]
+    policy, affinity, picks = CacheAware(), PrefixAffinity(), []
+    for i in range(8):
+        prompt = system + [i] * 40
+        best = policy.rank_decode(prompt, decodes)[0]
+        picks.append(best.address)
+        policy.note_routed(prompt, best, None)
+        best.load = dataclasses.replace(best.load, kv_blocks_used=best.load.kv_blocks_used + 19)
+        assert affinity.rank_decode(prompt, decodes)[0] is affinity.rank_decode(system, decodes)[0]
+    assert picks.count("d0:1") == 4 and picks.count("d1:1") == 4
+    assert all(policy.index.matched_blocks(d.address, block_hashes(system, 16)) == 16
+               for d in decodes)
+
+
+def test_cache_aware_puts_full_and_unhealthy_workers_last_or_out():
+    policy = CacheAware()
+    prompt = list(range(64))
+    full, fine = cache_decode("a:1", used=4, free=0), cache_decode("b:1", used=90)
+    policy.note_routed(prompt, full, None)
+    down = cache_decode("c:1", used=0)
+    down.healthy = False
+    assert addresses(policy.rank_decode(prompt, [full, fine, down])) == ["b:1", "a:1"]
+
+
+def test_cache_aware_prefill_counts_cached_tokens_off_the_work_ahead():
+    policy = CacheAware()
+    p1, p2 = prefill_worker("p1:1", 300), prefill_worker("p2:1", 100)
+    prompt = list(range(512))
+    assert addresses(policy.rank_prefill(prompt, [p1, p2])) == ["p2:1", "p1:1"]
+    policy.note_routed(prompt, cache_decode("d:1", 0), p1)  # p1 now holds the 32 blocks
+    assert addresses(policy.rank_prefill(prompt + [1] * 10, [p1, p2])) == ["p1:1", "p2:1"]
+    assert policy.index.blocks_held("p1:1") == 32
+    for w, rate in ((p1, 1000.0), (p2, 100.0)):  # with rates: seconds, not tokens
+        w.load = dataclasses.replace(w.load, prefill_tokens_per_s=rate)
+    assert addresses(policy.rank_prefill(list(range(9000, 9100)), [p1, p2])) == ["p1:1", "p2:1"]
+    # a worker that reports no cache size is given the prefill worker's default
+    many = [list(range(k * 10000, k * 10000 + 16)) for k in range(DEFAULT_CAPACITY_BLOCKS + 5)]
+    for prompt in many:
+        policy.note_routed(prompt, cache_decode("d:1", 0), p2)
+    assert policy.index.blocks_held("p2:1") == DEFAULT_CAPACITY_BLOCKS
+
+
+def test_cache_aware_weight_must_be_a_number_at_least_zero():
+    for bad in (-1, "2", True, float("nan")):
+        with pytest.raises(ValueError, match="cache overlap weight must be a number >= 0"):
+            CacheAware(bad)
+    assert make_policy("cache-aware", overlap_weight=0).overlap_weight == 0.0
+
+
 def test_make_policy_names_the_choices():
     assert isinstance(make_policy("prefix-affinity"), PrefixAffinity)
+    assert isinstance(make_policy("cache-aware"), CacheAware)
     with pytest.raises(ValueError, match="policy must be one of .*'round-robin'.*got 'fastest'"):
         make_policy("fastest")
 

@@ -130,3 +130,39 @@ async def kill_during_load(cluster):
         raise AssertionError("the prefill worker never got a request")
     cluster.kill_worker("prefill", 0)
     return await asyncio.gather(*tasks)
+
+
+def test_a_chats_next_turn_goes_back_to_the_decode_worker_holding_its_history(tiny_cluster):
+    """The router's default cache-aware policy, two decode workers: turn 1's prompt is cached on
+    the worker that served it (W); a long answer to a prompt sharing 16 of its 25 blocks then
+    runs on W too, so W holds more KV blocks than the other worker; turn 2 (turn 1's prompt and
+    40 new tokens) still goes to W, which computes only the new tokens (usage: cached_tokens
+    400). With --policy least-loaded the same requests cached 0 or 256 of turn 2's tokens
+    (it went to the worker with more free blocks)."""
+    asyncio.run(wait_idle(tiny_cluster))
+    turn1 = [1000 + (i * 37) % 3000 for i in range(400)]  # 25 full blocks of 16
+    asyncio.run(a_chat_with_a_busy_worker(tiny_cluster, turn1))
+
+
+async def a_chat_with_a_busy_worker(cluster, turn1):
+    url = f"{cluster.http_url}/v1/completions"
+
+    def body(prompt, max_tokens, stream=False):
+        return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": stream}
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        first = (await client.post(url, json=body(turn1, 4))).json()
+        assert first["usage"]["prompt_tokens"] == 400
+        busy = turn1[:256] + [4321] * 16  # shares 16 of turn 1's blocks: the same worker
+        async with client.stream("POST", url, json=body(busy, 150, stream=True)) as stream:
+            assert stream.status_code == 200
+            lines = stream.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass  # its first token: it is running, its blocks held
+            second = (await client.post(url, json=body(turn1 + [4000 + i for i in range(40)],
+                                                        4))).json()
+            async for _ in lines:  # let it finish
+                pass
+    assert second["usage"]["prompt_tokens"] == 440
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 400, second["usage"]

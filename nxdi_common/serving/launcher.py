@@ -27,7 +27,7 @@ __all__ = ["LaunchSpec", "Cluster", "ChildProcess", "LaunchError", "default_comm
 MODULES = {"prefill": "prefill_service", "decode": "decode_service", "router": "router"}
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("compiled", "eager")
-POLICIES = ("least-loaded", "round-robin", "prefix-affinity")
+POLICIES = ("cache-aware", "least-loaded", "round-robin", "prefix-affinity")
 # The options of each service's command line, as this launcher and deploy/ use them (tests check
 # the manifests against this); MODEL_FLAGS (worker.add_model_args) are common to all three.
 MODEL_FLAGS = ("--model", "--dtype", "--max-model-len", "--backend", "--compiled-root", "--threads",
@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "dtype, or float8_e4m3fn (half the bytes of bf16, slightly less "
                         "accurate, slower decode steps on CPU)")
     g = p.add_argument_group("services")
-    g.add_argument("--policy", choices=POLICIES, help="router's decode-worker policy")
+    g.add_argument("--policy", choices=POLICIES, help="router's routing policy (default cache-aware)")
     for role in ROLES:
         g.add_argument(f"--{role}-args", default="", metavar="ARGS",
                        help=f"extra {role} options, one quoted string")
