@@ -129,3 +129,36 @@ def test_prefill_workers_pack_bf16_weights_for_onednn(monkeypatch, tmp_path):
         expected = ref(ids).logits[0, -1]
     got = model.forward(ids).logits.reshape(-1, 128)[-1].float()
     assert torch.allclose(got, expected, atol=0.05, rtol=0.05), (got - expected).abs().max()
+
+
+def test_workers_started_together_compile_a_configuration_once(tmp_path, compile_cache_dir):
+    """While another process holds the configuration's compile lock (it is compiling it),
+    load_model waits instead of compiling the same folder beside it; once the folder is
+    complete it loads it without compiling (the folder is not replaced)."""
+    import threading
+    import time
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                      max_position_embeddings=128)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    opts = worker.ModelOptions(model=str(tmp_path / "ckpt"), dtype="float32", max_model_len=64,
+                               compiled_root=str(tmp_path / "compiled"))
+    first = worker.load_model(opts, worker.prefill_neuron_config(opts, 2, 1))
+    (folder,) = [p for p in (tmp_path / "compiled").iterdir() if p.is_dir()]
+    manifest = folder / "nxdi_manifest.json"
+    stamp = manifest.stat().st_mtime_ns
+    manifest.rename(folder / "held")  # as if another worker were still compiling it
+    loaded = []
+    with worker.compile_lock(folder):
+        waiting = threading.Thread(target=lambda: loaded.append(
+            worker.load_model(opts, worker.prefill_neuron_config(opts, 2, 1))))
+        waiting.start()
+        time.sleep(1.0)
+        assert waiting.is_alive() and not loaded  # waits for the lock, compiles nothing
+        assert not any(p.name.startswith(f".{folder.name}.tmp") for p in folder.parent.iterdir())
+        (folder / "held").rename(manifest)  # the other worker finished
+    waiting.join(60)
+    assert loaded and manifest.stat().st_mtime_ns == stamp  # loaded, not compiled again
+    ids = torch.randint(0, 64, (1, 12))
+    assert torch.equal(loaded[0].forward(ids).tokens, first.forward(ids).tokens)

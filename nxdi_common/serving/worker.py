@@ -8,9 +8,11 @@ local prefill)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,6 +221,28 @@ def _neuron_config(opts: ModelOptions, **kwargs):
                         on_device_sampling_config=sampling, **kwargs)
 
 
+@contextlib.contextmanager
+def compile_lock(compiled: Path):
+    """Hold an exclusive lock on ``compiled``'s lock file (beside it) for the block. Several
+    workers started at once with one configuration (nxdi-serve --decode-workers 2, pods on one
+    cache volume) would otherwise all compile it, and one's compile replaced the folder while
+    another was loading from it. flock: the kernel releases it when a holder dies."""
+    import fcntl
+    compiled.parent.mkdir(parents=True, exist_ok=True)
+    with open(compiled.with_name(compiled.name + ".lock"), "a") as f:
+        waited = time.monotonic()
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process compiling %s", compiled)
+            fcntl.flock(f, fcntl.LOCK_EX)
+            log.info("waited %.1f s for %s", time.monotonic() - waited, compiled.name)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def compiled_root(opts: ModelOptions) -> Path:
     return Path(opts.compiled_root) if opts.compiled_root else opts.model_dir().parent / "compiled"
 
@@ -250,9 +274,10 @@ def load_model(opts: ModelOptions, neuron_config):
     from nxdi_common.backends.compile_cache import code_fingerprint
     key = hashlib.sha256((model.config.to_json_string() + code_fingerprint()).encode()).hexdigest()[:12]
     compiled = compiled_root(opts) / f"{model_dir.name}-{key}"
-    if not (compiled / "nxdi_manifest.json").is_file():
-        log.info("compiling %s to %s (first run only)", model_dir.name, compiled)
-        model.compile(str(compiled))
+    with compile_lock(compiled):  # workers started together compile it once, the others wait
+        if not (compiled / "nxdi_manifest.json").is_file():
+            log.info("compiling %s to %s (first run only)", model_dir.name, compiled)
+            model.compile(str(compiled))
     model.load(str(compiled))
     return model
 
