@@ -87,7 +87,8 @@ def done_event(num_chunks: int, payload_bytes: int, transfer_ns: int) -> serving
 
 
 def load_to_proto(report: LoadReport) -> serving_pb2.WorkerLoad:
-    """The WorkerLoad message of a prefill worker (it has no KV blocks: those fields stay 0)."""
+    """The WorkerLoad message of a prefill worker (its KV block fields are its prefix cache's,
+    0 without one)."""
     return serving_pb2.WorkerLoad(
         role=serving_pb2.WORKER_ROLE_PREFILL, address=report.address,
         fingerprint=kv_transfer.fingerprint_to_proto(report.fingerprint),
@@ -96,4 +97,5 @@ def load_to_proto(report: LoadReport) -> serving_pb2.WorkerLoad:
         max_running_sequences=report.max_running_sequences,
         open_transfers=report.open_transfers, reported_at_unix_ns=report.reported_at_unix_ns,
         running_prompt_tokens=report.running_prompt_tokens,
-        prefill_tokens_per_s=report.prefill_tokens_per_s)
+        prefill_tokens_per_s=report.prefill_tokens_per_s, kv_blocks_used=report.kv_blocks_used,
+        kv_blocks_free=report.kv_blocks_free, kv_block_size=report.kv_block_size)

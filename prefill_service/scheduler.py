@@ -96,6 +96,11 @@ class LoadReport:
     reported_at_unix_ns: int
     running_prompt_tokens: int = 0  # still to compute (PrefillEngine.counts)
     prefill_tokens_per_s: float = 0.0  # measured; 0 until the first batch
+    # the prefix cache's blocks (all 0 without one): the router sizes its memory of what this
+    # worker holds by them (router/prefix_index.py)
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_block_size: int = 0
 
 
 ORDERS = ("arrival", "shortest")

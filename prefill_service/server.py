@@ -281,9 +281,14 @@ class PrefillServicer:
 
     def load(self) -> LoadReport:
         queued, queued_tokens, running, running_tokens = self.engine.counts()
+        blocks = self.engine.cache.blocks if self.engine.cache is not None else None
+        free = blocks.num_free_blocks if blocks is not None else 0
         return LoadReport(self.address, self.fingerprint, queued_tokens, queued, running,
                           self.settings.ctx_batch_size, self.open_transfers, time.time_ns(),
-                          running_tokens, self.engine.rate.tokens_per_s)
+                          running_tokens, self.engine.rate.tokens_per_s,
+                          kv_blocks_used=blocks.num_blocks - free if blocks is not None else 0,
+                          kv_blocks_free=free,
+                          kv_block_size=blocks.block_size if blocks is not None else 0)
 
 
 async def write(context, message) -> None:

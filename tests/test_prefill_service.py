@@ -19,7 +19,7 @@ from nxdi_common.serving.errors import Overloaded
 from nxdi_common.serving.grpc_server import channel_options
 from nxdi_common.serving.types import PrefillJob
 from prefill_service.scheduler import PrefillScheduler, PrefillTask, copy_kv
-from prefill_service.server import PrefillApp, PrefillSettings
+from prefill_service.server import DEFAULT_PREFIX_CACHE_BLOCKS, PrefillApp, PrefillSettings
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc
 
@@ -420,7 +420,9 @@ def test_queue_bound_load_report_and_cancel_while_queued(make_live, hf):
     assert (report.queued_prompt_tokens, report.running_sequences,
             report.max_running_sequences, report.open_transfers) == (14, 0, 3, 0)
     assert w.app.metrics.value("nxdi_queued_prompt_tokens") == 14
-    assert (report.kv_blocks_used, report.kv_blocks_free, report.kv_block_size) == (0, 0, 0)
+    # the default prefix cache's blocks: queued prompts hold none yet
+    assert (report.kv_blocks_used, report.kv_blocks_free, report.kv_block_size) == \
+        (0, DEFAULT_PREFIX_CACHE_BLOCKS, 16)
     assert before <= report.reported_at_unix_ns <= time.time_ns()
     code, details = refusal(w, w.request(prompt(3)))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "prefill queue is full" in details
@@ -672,3 +674,20 @@ def test_kv_socket_settings_are_checked():
         PrefillSettings(kv_socket_accept_seconds=0)
     with pytest.raises(ValueError, match="kv_socket_min_bytes"):
         PrefillSettings(kv_socket_min_bytes=-1)
+
+
+def test_load_report_gives_the_prefix_caches_blocks(make_live, hf):
+    """The router sizes its memory of a prefill worker's cache by these (router/prefix_index.py):
+    the prefix cache's blocks, which a finished prompt leaves cached and free to evict; a flat
+    worker reports none."""
+    flat = make_live(prefix_cache_blocks=0)
+    report = flat.load()
+    assert (report.kv_blocks_used, report.kv_blocks_free, report.kv_block_size) == (0, 0, 0)
+    w = make_live(prefix_cache_blocks=80)
+    report = w.load()
+    assert (report.kv_blocks_used, report.kv_blocks_free, report.kv_block_size) == (0, 80, 16)
+    events = list(w.stub.Prefill(w.request(prompt(40)), timeout=20))
+    assert events[-1].HasField("done")
+    report = w.load()  # its 2 full blocks stay cached, free to evict
+    assert (report.kv_blocks_used + report.kv_blocks_free, report.kv_block_size) == (80, 16)
+    assert report.kv_blocks_used == 0
