@@ -154,6 +154,12 @@ class BlockManager:
         revived = sum(1 for b in matched if self._blocks[b].ref_count == 0)
         return matched, total - len(matched) + revived
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of ``token_ids`` whose KV the cache holds now (whole sealed blocks,
+        short of the last token: what ``allocate`` would share). Reads only; from a thread
+        other than the one allocating it is an estimate (the blocks may be evicted first)."""
+        return len(self._match_prefix(token_ids)) * self._block_size
+
     def _match_prefix(self, token_ids: list[int]) -> list[int]:
         """Ids of the leading sealed blocks matching the prompt, short of its last token."""
         if not self.enable_prefix_caching:

@@ -75,6 +75,11 @@ class PrefixCache:
         return Entry(request_id, list(prompt_ids), alloc.block_table, cached,
                      0 if whole else cached)
 
+    def cached_tokens(self, prompt_ids: list[int], whole: bool = False) -> int:
+        """Leading tokens of the prompt the cache holds now and admit would not compute (0 for
+        a prompt run whole); an estimate from another thread (BlockManager.cached_prefix_tokens)."""
+        return 0 if whole else self.blocks.cached_prefix_tokens(prompt_ids)
+
     def release(self, entry: Entry, computed: bool) -> None:
         """The prompt's blocks back to the pool; computed: its KV is all written, so its full
         blocks are sealed and a later prompt may share them."""

@@ -76,10 +76,17 @@ class PrefillTask:
     # the request's structured-output constraint (compiled by the servicer), or None
     constraint: object = None
     arrival_ns: int = field(default_factory=time.perf_counter_ns)
+    # leading prompt tokens the prefix cache held when last looked at (PrefillEngine.submit,
+    # and again when its batch starts): not counted as work in the load report
+    cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.job.prompt_ids)
+
+    @property
+    def tokens_to_compute(self) -> int:
+        return self.num_tokens - self.cached_tokens
 
 
 @dataclass(frozen=True)
@@ -167,7 +174,8 @@ class PrefillScheduler:
 
     @property
     def queued_prompt_tokens(self) -> int:
-        return sum(t.num_tokens for t in self.waiting)
+        """Prompt tokens the waiting prompts have to compute (their cached prefixes left out)."""
+        return sum(t.tokens_to_compute for t in self.waiting)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,7 +375,7 @@ class PrefillEngine:
         self.model, self.scheduler, self.cache = model, scheduler, cache
         self.on_change = on_change or (lambda queued, running: None)
         self.running = 0  # prompts in the batch being encoded
-        self.running_tokens = 0  # and their prompt tokens
+        self.running_tokens = 0  # and the prompt tokens they compute
         self.running_since = 0.0  # when that batch began (time.perf_counter())
         self.rate = PrefillRate()  # measured over the batches run
         self._cond = threading.Condition()
@@ -395,7 +403,8 @@ class PrefillEngine:
         """Queue a validated job (Overloaded when the queue is full); await ``task.future``.
         constraint: the job's compiled structured output (structured.TokenConstraint), if any."""
         loop = asyncio.get_running_loop()
-        task = PrefillTask(job, heads, loop, loop.create_future(), constraint=constraint)
+        task = PrefillTask(job, heads, loop, loop.create_future(), constraint=constraint,
+                           cached_tokens=self._cached_tokens(job))
         with self._cond:
             if self._stopping:
                 raise Unavailable("prefill worker is shutting down")
@@ -403,6 +412,14 @@ class PrefillEngine:
             self._cond.notify()
             self._changed()
         return task
+
+    def _cached_tokens(self, job: PrefillJob) -> int:
+        """The job's prompt tokens the prefix cache holds (0 without one, or for a prompt to
+        score, which runs whole): the router counts the rest as this worker's work ahead."""
+        if self.cache is None:
+            return 0
+        return self.cache.cached_tokens(job.prompt_ids, whole=job.sampling.prompt_logprobs
+                                        is not None)
 
     def drop(self, task: PrefillTask) -> None:
         """Forget ``task``: off the queue if still waiting, its result discarded if running."""
@@ -432,8 +449,10 @@ class PrefillEngine:
             if self._stopping:
                 return None
             batch = self.scheduler.next_batch()
+            for task in batch:  # this thread allocates: the estimate is exact now
+                task.cached_tokens = self._cached_tokens(task.job)
             self.running = len(batch)
-            self.running_tokens = sum(t.num_tokens for t in batch)
+            self.running_tokens = sum(t.tokens_to_compute for t in batch)
             self.running_since = time.perf_counter()
             self._changed()
             return batch
@@ -446,7 +465,8 @@ class PrefillEngine:
         """Run one batch and deliver its results (nothing of it stays referenced here)."""
         try:
             results = run_batch(self.model, batch, self.cache)
-            computed = self.running_tokens - sum(r.first.cached_tokens for r in results)
+            computed = sum(t.num_tokens for t in batch) - sum(r.first.cached_tokens
+                                                              for r in results)
             self.rate.add(computed, time.perf_counter() - self.running_since)
             for task, result in zip(batch, results):
                 deliver(task, result)

@@ -146,6 +146,18 @@ def test_hash_chains_the_parent(bm):
     assert bm.allocate("d", [9, 9, 9, 9] + tokens(0, 4) + [1]).num_cached_tokens == 8
 
 
+def test_cached_prefix_tokens_reads_what_allocate_would_share(bm):
+    bm.allocate("a", tokens(0, 9))
+    assert bm.cached_prefix_tokens(tokens(0, 9)) == 0  # nothing computed yet
+    bm.mark_computed("a", 9)
+    free_before = bm.num_free_blocks
+    prompts = (tokens(0, 9), tokens(0, 8), tokens(0, 5), tokens(0, 4) + [1] * 5, [3] + tokens(1, 8))
+    # whole blocks of 4, short of the last token; chained from the first
+    assert [bm.cached_prefix_tokens(p) for p in prompts] == [8, 4, 4, 4, 0]
+    assert bm.num_free_blocks == free_before  # it only reads
+    assert bm.allocate("b", tokens(0, 9)).num_cached_tokens == 8
+
+
 def test_prefix_caching_disabled():
     bm = BlockManager(8, 4, enable_prefix_caching=False)
     bm.allocate("a", tokens(0, 10))

@@ -202,3 +202,24 @@ def test_the_pool_must_hold_a_batch_and_the_flags_reach_the_settings(make_live):
     settings = settings_from_args(args)
     assert (settings.prefix_cache_blocks, settings.block_size) == (300, 32)
     assert settings_from_args(parse_args([])).prefix_cache_blocks == 1024  # on by default
+
+
+def test_the_load_report_counts_only_the_tokens_to_compute(make_live):
+    """Queued and running prompt tokens in GetLoad leave out the leading blocks the cache holds
+    (the router's ETA divides them by the rate of computed tokens); a prompt to score counts
+    whole, as it runs. (The cache is seeded by hand, its blocks sealed without KV: the requests
+    are cancelled before the engine starts.)"""
+    w = make_live(start_engine=False)
+    cache = w.app.engine.cache
+    held = prompt(48, offset=100)
+    cache.release(cache.admit("seed", held, whole=False), computed=True)  # 3 blocks sealed
+    scoring = pb.SamplingParams(temperature=0, prompt_logprobs=0)
+    calls = [w.stub.Prefill(w.request(held + prompt(10), request_id="hit"), timeout=20),
+             w.stub.Prefill(w.request(prompt(20, offset=50), request_id="miss"), timeout=20),
+             w.stub.Prefill(w.request(held + prompt(10), request_id="scored", sampling=scoring),
+                            timeout=20)]
+    report = w.wait_load(queued_requests=3)
+    assert report.queued_prompt_tokens == 10 + 20 + 58
+    for call in calls:
+        call.cancel()
+    assert w.wait_load(queued_requests=0).queued_prompt_tokens == 0
