@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-dns", action="append", default=[], metavar="HOST:PORT",
                    help="a DNS name whose every address is a decode worker (repeatable)")
     g.add_argument("--policy", choices=sorted(POLICIES), default=RouterSettings.policy,
-                   help="how workers are ranked for a request (README, \"Routing\"): "
+                   help="how workers are ranked for a request (router/policies.py): "
                         "cache-aware (default) counts the prompt blocks each worker is believed "
                         "to hold as work saved, against its load")
     g.add_argument("--cache-overlap-weight", type=float,
@@ -241,7 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "once)")
     g.add_argument("--max-queued-requests", type=int, default=RouterSettings.max_queued_requests,
                    help="requests that may wait for room at once; the next is refused at once")
-    g = p.add_argument_group("conditional disaggregation")
+    add_local_prefill_args(p.add_argument_group("conditional disaggregation"))
+    return p
+
+
+def add_local_prefill_args(g) -> None:
     g.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
                    help="prompts of at most N tokens are prefilled by their decode worker when "
                         "every prefill worker is busy (see --local-prefill-queue-tokens) and the "
@@ -254,7 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local-prefill-always-tokens", type=int, default=0, metavar="A",
                    help="prompts of at most A tokens are always prefilled by their decode "
                         "worker, busy or not (longer ones as the two options above say)")
-    return p
 
 
 def settings_from_args(args) -> RouterSettings:

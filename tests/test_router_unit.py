@@ -251,6 +251,18 @@ def test_cache_aware_weight_must_be_a_number_at_least_zero():
     assert make_policy("cache-aware", overlap_weight=0).overlap_weight == 0.0
 
 
+def test_router_command_line_picks_cache_aware_and_its_weight():
+    from router.server import RouterSettings, build_parser, settings_from_args
+    settings = settings_from_args(build_parser().parse_args([]))
+    assert settings.policy == "cache-aware"
+    assert settings.make_policy().overlap_weight == 1.0
+    args = build_parser().parse_args(["--cache-overlap-weight", "2.5"])
+    assert settings_from_args(args).make_policy().overlap_weight == 2.5
+    with pytest.raises(ValueError, match="cache overlap weight must be a number >= 0, got -1"):
+        RouterSettings(cache_overlap_weight=-1)
+    assert isinstance(RouterSettings(policy="least-loaded").make_policy(), LeastLoaded)
+
+
 def test_make_policy_names_the_choices():
     assert isinstance(make_policy("prefix-affinity"), PrefixAffinity)
     assert isinstance(make_policy("cache-aware"), CacheAware)
