@@ -2,7 +2,7 @@
 
   nxdi-bench load    --url URL (--rate R | --concurrency C) [--num-requests N]   one run
   nxdi-bench sweep   --url URL                                                    goodput of one server
-  nxdi-bench compare [--configs disaggregated,aggregated,vllm-cpu,llama.cpp] [--quick]
+  nxdi-bench compare [--configs disaggregated,aggregated,vllm-cpu,llama.cpp,replicated] [--quick]
                      starts each configuration itself, sweeps each, writes table + plots
 
 Every command takes --workload {chat,long-context,mixed}, --seed, --slo-ttft, --slo-tpot, and
@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     _sweep_args(p)
     p.add_argument("--configs", default=None,
-                   help="comma-separated (default: all four; with --quick: ours only)")
+                   help="comma-separated, of disaggregated, aggregated, vllm-cpu, llama.cpp "
+                        "and replicated (one decode worker per CPU); default: the first four "
+                        "(with --quick: disaggregated and aggregated)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: short lengths, two short rate points, under two minutes")
     p.add_argument("--out-dir", type=Path, default=None,
@@ -259,9 +261,9 @@ def _max_model_len(args) -> int:
 
 def _compare_settings(args):
     from nxdi_bench.compare import QUICK_LENGTH_SCALE, QUICK_SWEEP, CompareSettings
-    from nxdi_bench.configs import CONFIGS, ServeSettings
+    from nxdi_bench.configs import DEFAULT_CONFIGS, ServeSettings
     configs = args.configs.split(",") if args.configs else (
-        ["disaggregated", "aggregated"] if args.quick else list(CONFIGS))
+        ["disaggregated", "aggregated"] if args.quick else list(DEFAULT_CONFIGS))
     workload = get_workload(args.workload)
     sweep = _sweep_settings(args)
     if args.quick:

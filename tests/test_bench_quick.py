@@ -139,3 +139,16 @@ def test_prefill_order_flags_reach_only_the_disaggregated_prefill_worker():
         "--order", "shortest", "--max-overtaken-seconds", "2"]
     assert our_launch_spec("aggregated", serve).prefill_args == []
     assert our_launch_spec("disaggregated", ServeSettings()).prefill_args == []
+
+
+def test_replicated_runs_one_decode_worker_per_cpu_and_is_not_in_the_default_set():
+    from nxdi_bench.configs import CONFIGS, DEFAULT_CONFIGS, ServeSettings, our_launch_spec
+    spec = our_launch_spec("replicated", ServeSettings(cpus=[2, 5], decode_tpot_target_s=0.1))
+    assert (spec.prefill_workers, spec.decode_workers, spec.threads) == (0, 2, 1)
+    assert spec.cpus == {"decode0": [2], "decode1": [5]}
+    assert spec.router_args == [] and "--tpot-target-ms" in spec.decode_args
+    with pytest.raises(ValueError, match=r"replicated needs at least 2 CPUs .* got \[0\]"):
+        our_launch_spec("replicated", ServeSettings(cpus=[0]))
+    assert "replicated" in CONFIGS and "replicated" not in DEFAULT_CONFIGS
+    settings = cli._compare_settings(cli.build_parser().parse_args(["compare"]))
+    assert settings.configs == ["disaggregated", "aggregated", "vllm-cpu", "llama.cpp"]
