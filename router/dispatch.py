@@ -278,7 +278,8 @@ class Dispatcher:
                                       remaining)
         self.registry.note_dispatch(worker.address, prefills[0] if prefills else None,
                                     len(req.prompt_ids))
-        return call, next((w for w in ranked if prefills and w.address == prefills[0]), None)
+        first = next((w for w in ranked if w.address == prefills[0]), None) if prefills else None
+        return call, first
 
     async def _first_token(self, call, address: str, refused: list[str]) -> TokenOutput | None:
         """The first token; None when this worker refused (try the next)."""

@@ -71,18 +71,20 @@ def decode_load_key(w: WorkerState) -> tuple:
     return -load.kv_blocks_free, load.running_sequences + load.queued_requests, w.address
 
 
-def prefill_load_key(prompt_len: int, workers: Sequence[WorkerState]):
+def prefill_load_key(prompt_len: int, workers: Sequence[WorkerState], cached=None):
     """The sort key of prefill workers for a prompt of ``prompt_len`` tokens: the soonest to
     have prefilled it first when every one of them reports a measured rate (prefill_eta_s: a
     faster worker with more ahead can finish first, as in a pool of mixed instance types), else
     the fewest prompt tokens ahead (queued or being encoded; seconds and tokens do not compare);
-    then the fewest KV transfers in progress."""
+    then the fewest KV transfers in progress. ``cached(worker)``: the prompt's leading tokens
+    that worker holds, which it need not compute (None: none anywhere)."""
     now = time.monotonic_ns()
     timed = all(w.current_load.prefill_tokens_per_s > 0 for w in workers)
 
     def key(w: WorkerState) -> tuple:
         load = w.current_load
-        first = (prefill_eta_s(load, prompt_len, now) if timed else tokens_ahead_at(load, now))
+        todo = prompt_len - (cached(w) if cached is not None else 0)
+        first = (prefill_eta_s(load, todo, now) if timed else tokens_ahead_at(load, now) + todo)
         return first, load.open_transfers, w.address
     return key
 
@@ -290,15 +292,14 @@ class CacheAware(_Policy):
             self._hashes = (prompt_ids, block_size, hashes)
         return hashes
 
-    def matched_tokens(self, prompt_ids: Sequence[int], w: WorkerState) -> int:
-        size = block_size_of(w)
-        return self.index.matched_blocks(w.address, self.hashes(prompt_ids, size)) * size
+    def matched_blocks(self, prompt_ids: Sequence[int], w: WorkerState) -> int:
+        """The prompt's leading blocks (of w's size) the worker is believed to hold."""
+        return self.index.matched_blocks(w.address, self.hashes(prompt_ids, block_size_of(w)))
 
     def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
         def key(w: WorkerState) -> tuple:
             load = w.current_load
-            size = block_size_of(w)
-            uncached = len(prompt_ids) // size - self.matched_tokens(prompt_ids, w) // size
+            uncached = len(prompt_ids) // block_size_of(w) - self.matched_blocks(prompt_ids, w)
             cost = (1 + self.overlap_weight) * uncached + load.kv_blocks_used
             return (load.kv_blocks_free == 0, cost,
                     load.running_sequences + load.queued_requests, w.address)
@@ -306,16 +307,9 @@ class CacheAware(_Policy):
 
     def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
         healthy = _healthy(workers)
-        now = time.monotonic_ns()
-        timed = all(w.current_load.prefill_tokens_per_s > 0 for w in healthy)
-
-        def key(w: WorkerState) -> tuple:
-            load = w.current_load
-            work = tokens_ahead_at(load, now) + len(prompt_ids) \
-                - self.matched_tokens(prompt_ids, w)
-            return (work / load.prefill_tokens_per_s if timed else work), load.open_transfers, \
-                w.address
-        return sorted(healthy, key=key)
+        return sorted(healthy, key=prefill_load_key(
+            len(prompt_ids), healthy,
+            cached=lambda w: self.matched_blocks(prompt_ids, w) * block_size_of(w)))
 
     def note_routed(self, prompt_ids: Sequence[int], decode: WorkerState,
                     prefill: WorkerState | None) -> None:
