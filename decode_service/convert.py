@@ -76,8 +76,9 @@ def prefill_event(data: bytes):
 
 
 def worker_load(address: str, fingerprint, load: dict, max_running: int, block_size: int,
-                open_transfers: int) -> pb.WorkerLoad:
-    return pb.WorkerLoad(
+                open_transfers: int, prefix_cache: pb.PrefixCacheReport | None = None
+                ) -> pb.WorkerLoad:
+    return pb.WorkerLoad(prefix_cache=prefix_cache,
         role=pb.WORKER_ROLE_DECODE, address=address,
         fingerprint=kv_transfer.fingerprint_to_proto(fingerprint),
         queued_requests=load["queued"], running_sequences=load["running"],

@@ -15,6 +15,7 @@ from decode_service import convert
 from decode_service.engine import DecodeEngine
 from decode_service.kv_pull import KVPuller
 from nxdi_common.serving import types as t
+from nxdi_common.serving.convert import cache_report_for
 from nxdi_common.serving.handoff import LoopHandoff
 from nxdi_common.serving.structured import compile_constraint
 
@@ -143,5 +144,7 @@ class DecodeServicer(convert.DecodeServicerBase):
 
     async def GetLoad(self, request, context):
         cfg = self.engine.config
-        return convert.worker_load(self.address, self.fingerprint, self.engine.load(),
-                                   cfg.max_batch_size, cfg.block_size, self.puller.open_transfers)
+        return convert.worker_load(
+            self.address, self.fingerprint, self.engine.load(), cfg.max_batch_size,
+            cfg.block_size, self.puller.open_transfers,
+            cache_report_for(request, self.engine.blocks.journal))

@@ -22,6 +22,8 @@ Model
 * A prompt's last token is always recomputed (the model needs its logits), so at most
   ``len(prompt) - 1`` tokens are reported cached and only blocks wholly before the last prompt
   token are matched.
+* ``journal`` (nxdi_common.cache_journal) numbers every hash entering the index (sealed) and
+  leaving it (evicted), for routers that follow what the cache holds (load reports).
 * ``allocate(..., reserve_tokens=n)`` reserves blocks for ``n`` future tokens up front;
   ``append_token`` grows the table only past the reservation, and ``grow`` to a token count
   without recording tokens (the decode worker's on-demand growth: a block for the next token's
@@ -34,6 +36,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from nxdi_common.cache_journal import MASK64, CacheJournal
 
 
 class OutOfBlocks(RuntimeError):
@@ -86,6 +90,8 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self._requests: dict[str, _Request] = {}
         self.enable_prefix_caching = enable_prefix_caching
+        # every hash entering or leaving _hash_to_block, for routers (load reports)
+        self.journal = CacheJournal(max_events=max(4 * num_blocks, 1024))
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -250,6 +256,7 @@ class BlockManager:
             if req.last_hash not in self._hash_to_block:  # else keep this copy private
                 block.hash, block.token_ids = req.last_hash, chunk
                 self._hash_to_block[req.last_hash] = block.block_id
+                self.journal.stored(req.last_hash)
             req.num_sealed += 1
 
     # ---- release ----------------------------------------------------------------------------
@@ -280,6 +287,7 @@ class BlockManager:
         block = self._blocks[block_id]
         if block.hash is not None:
             del self._hash_to_block[block.hash]
+            self.journal.removed(block.hash)
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id
@@ -355,6 +363,8 @@ class BlockManager:
             if len(block.token_ids) != self._block_size:
                 problems.append(f"hashed block {block.block_id} holds "
                                 f"{len(block.token_ids)} tokens")
+        if set(self.journal.since(0, 0).stored) != {h & MASK64 for h in self._hash_to_block}:
+            problems.append("the cache journal's blocks differ from the hash index")
         return problems
 
     def _check_requests(self) -> list[str]:

@@ -86,10 +86,11 @@ def done_event(num_chunks: int, payload_bytes: int, transfer_ns: int) -> serving
         num_chunks=num_chunks, payload_bytes=payload_bytes, transfer_ns=transfer_ns))
 
 
-def load_to_proto(report: LoadReport) -> serving_pb2.WorkerLoad:
+def load_to_proto(report: LoadReport, prefix_cache: serving_pb2.PrefixCacheReport | None = None
+                  ) -> serving_pb2.WorkerLoad:
     """The WorkerLoad message of a prefill worker (its KV block fields are its prefix cache's,
-    0 without one)."""
-    return serving_pb2.WorkerLoad(
+    0 without one; ``prefix_cache``: its journal's report, when asked for)."""
+    return serving_pb2.WorkerLoad(prefix_cache=prefix_cache,
         role=serving_pb2.WORKER_ROLE_PREFILL, address=report.address,
         fingerprint=kv_transfer.fingerprint_to_proto(report.fingerprint),
         queued_prompt_tokens=report.queued_prompt_tokens,

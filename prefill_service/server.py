@@ -15,10 +15,12 @@ import time
 from dataclasses import dataclass
 
 from nxdi_common import kv_transfer
+from nxdi_common.cache_journal import CacheJournal
 from nxdi_common.kv_transfer import ModelFingerprint, fingerprint_mismatch
 from nxdi_common.serving import kv_socket as kvs
 from nxdi_common.serving import worker
 from nxdi_common.serving.compute import ComputeThread
+from nxdi_common.serving.convert import cache_report_for
 from nxdi_common.serving.errors import FailedPrecondition, InvalidRequest, Overloaded
 from nxdi_common.serving.grpc_server import GrpcServer, install_shutdown, print_ready
 from nxdi_common.serving.metrics import ServingMetrics
@@ -180,6 +182,10 @@ class PrefillServicer:
         self.address = ""  # "host:port", set once bound
         self.open_transfers = 0  # streams sending KV now
         self.kv_socket: kvs.KVSocketServer | None = None  # set when listening
+        # what the prefix cache holds, for routers; without a cache an empty journal (a router
+        # then knows this worker holds no prefix, rather than guessing from what it sent here)
+        self._journal = (engine.cache.blocks.journal if engine.cache is not None
+                         else CacheJournal())
 
     async def Prefill(self, request, context) -> None:  # noqa: N802 - gRPC method name
         """Stream first_token, kv_chunk..., done for one prompt (see the proto)."""
@@ -277,7 +283,7 @@ class PrefillServicer:
 
     async def GetLoad(self, request, context):  # noqa: N802 - gRPC method name
         """This worker's load report."""
-        return convert.load_to_proto(self.load())
+        return convert.load_to_proto(self.load(), cache_report_for(request, self._journal))
 
     def load(self) -> LoadReport:
         queued, queued_tokens, running, running_tokens = self.engine.counts()

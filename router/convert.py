@@ -142,13 +142,20 @@ def load_from_proto(msg: pb.WorkerLoad) -> WorkerLoad:
         open_transfers=msg.open_transfers, reported_at_unix_ns=msg.reported_at_unix_ns,
         running_prompt_tokens=msg.running_prompt_tokens, role=ROLE_FROM_PROTO.get(msg.role, ""),
         fingerprint=msg.fingerprint if msg.HasField("fingerprint") else None,
-        prefill_tokens_per_s=msg.prefill_tokens_per_s, received_ns=time.monotonic_ns())
+        prefill_tokens_per_s=msg.prefill_tokens_per_s, received_ns=time.monotonic_ns(),
+        prefix_cache=(common.cache_report_from_proto(msg.prefix_cache)
+                      if msg.HasField("prefix_cache") else None))
 
 
-async def fetch_load(channel: grpc.aio.Channel, role: str, timeout: float) -> WorkerLoad:
-    """Call GetLoad on the role's service; raises grpc.aio.AioRpcError on failure."""
+async def fetch_load(channel: grpc.aio.Channel, role: str, timeout: float,
+                     cache_cursor: tuple[int, int] | None = None) -> WorkerLoad:
+    """Call GetLoad on the role's service, asking for the prefix cache's changes since
+    ``cache_cursor`` ((instance, seq); None: not asked); raises grpc.aio.AioRpcError on failure."""
     stub = pb_grpc.DecodeStub(channel) if role == DECODE else pb_grpc.PrefillStub(channel)
-    return load_from_proto(await stub.GetLoad(pb.GetLoadRequest(), timeout=timeout))
+    request = pb.GetLoadRequest()
+    if cache_cursor is not None:
+        request.cache_cursor.instance, request.cache_cursor.seq = cache_cursor
+    return load_from_proto(await stub.GetLoad(request, timeout=timeout))
 
 
 async def fetch_serving(channel: grpc.aio.Channel, timeout: float) -> bool:

@@ -16,7 +16,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, PrefixIndex, block_hashes
+from nxdi_common.cache_journal import CacheReport
+from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, PrefixIndex, ReportedCache, block_hashes
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
@@ -44,6 +45,9 @@ class WorkerLoad:
     # when the router took this snapshot (time.monotonic_ns(); 0: unknown): the tokens ahead
     # are counted down from it at prefill_tokens_per_s, on the router's own clock
     received_ns: int = field(default=0, compare=False)
+    # the prefix cache's changes since the poll's cursor (None: not asked, or not reported);
+    # the registry applies it to WorkerState.cache and drops it from the kept load
+    prefix_cache: CacheReport | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -55,6 +59,7 @@ class WorkerState:
     healthy: bool = False
     load: WorkerLoad | None = None
     reason: str = "not polled yet"  # why it is unhealthy (empty when healthy)
+    cache: ReportedCache | None = None  # its prefix cache as it reports it (None: it does not)
 
     @property
     def current_load(self) -> WorkerLoad:
@@ -253,8 +258,9 @@ class PrefixAffinity(_Policy):
 
 class CacheAware(_Policy):
     """Prefix-cache-aware and load-aware: each worker is ranked by the work a request would cost
-    it, counting the prompt blocks it is believed to hold already (router.prefix_index: the
-    chains of block hashes this router has sent it) as work it need not do.
+    it, counting the prompt blocks it holds already (router.prefix_index: what its load reports
+    say its prefix cache holds, and the chains of block hashes this router has sent it since) as
+    work it need not do.
 
     Decode workers, in KV blocks: ``(1 + overlap_weight) * uncached + used``, where ``uncached``
     is the prompt's full blocks the worker does not hold (it must receive or compute them, and
@@ -293,8 +299,10 @@ class CacheAware(_Policy):
         return hashes
 
     def matched_blocks(self, prompt_ids: Sequence[int], w: WorkerState) -> int:
-        """The prompt's leading blocks (of w's size) the worker is believed to hold."""
-        return self.index.matched_blocks(w.address, self.hashes(prompt_ids, block_size_of(w)))
+        """The prompt's leading blocks (of w's size) the worker holds: by its own report, and
+        by what this router sent it since (router.prefix_index)."""
+        return self.index.matched_blocks(w.address, self.hashes(prompt_ids, block_size_of(w)),
+                                         w.cache)
 
     def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
         def key(w: WorkerState) -> tuple:

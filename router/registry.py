@@ -1,7 +1,8 @@
 """The router's view of its workers: addresses (static, and resolved from DNS names such as a
 Kubernetes headless Service), one grpc.aio channel per address, and load reports polled in the
-background. A worker that fails to answer is marked unhealthy (routing skips it) until it answers
-again."""
+background (each also brings the router's view of the worker's prefix cache up to date,
+router.prefix_index.ReportedCache). A worker that fails to answer is marked unhealthy (routing
+skips it) until it answers again."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ import grpc
 
 from router import convert
 from router.policies import DECODE, PREFILL, ROLES, WorkerLoad, WorkerState, tokens_ahead_at
+from router.prefix_index import ReportedCache
 
 log = logging.getLogger(__name__)
 CHANNEL_OPTIONS = [
@@ -57,7 +59,8 @@ class Registry:
 
     def __init__(self, static: dict[str, Iterable[str]] | None = None,
                  dns: dict[str, Iterable[str]] | None = None, poll_timeout_seconds: float = 1.0,
-                 resolver: Callable[[str], Awaitable[list[str]]] = resolve):
+                 resolver: Callable[[str], Awaitable[list[str]]] = resolve,
+                 cache_reports: bool = True):
         self._static = {r: sorted(set((static or {}).get(r, ()))) for r in ROLES}
         self._dns = {r: sorted(set((dns or {}).get(r, ()))) for r in ROLES}
         for role in ROLES:
@@ -66,6 +69,7 @@ class Registry:
             for a in self._dns[role]:
                 split_host_port(a, f"--{role}-dns name")
         self.poll_timeout_seconds = poll_timeout_seconds
+        self.cache_reports = cache_reports  # ask each poll for the prefix cache's changes
         self._resolver = resolver
         self._resolved: dict[str, list[str]] = {}  # last good resolution per DNS name
         self._workers: dict[str, dict[str, WorkerState]] = {
@@ -134,18 +138,38 @@ class Registry:
 
     async def _poll(self, w: WorkerState) -> None:
         channel, timeout = self.channel(w.address), self.poll_timeout_seconds
+        cursor = None
+        if self.cache_reports:
+            cursor = w.cache.cursor if w.cache is not None else (0, 0)
+        asked_ns = time.monotonic_ns()
         try:
-            load, serving = await asyncio.gather(convert.fetch_load(channel, w.role, timeout),
-                                                 convert.fetch_serving(channel, timeout))
+            load, serving = await asyncio.gather(
+                convert.fetch_load(channel, w.role, timeout, cursor),
+                convert.fetch_serving(channel, timeout))
         except grpc.aio.AioRpcError as exc:
             self._set(w, False, None, f"{exc.code().name}: {exc.details()}")
             return
+        load = self._apply_cache_report(w, load, asked_ns)
         if load.role and load.role != w.role:
             self._set(w, False, load, f"it reports role {load.role!r}, configured as {w.role!r}")
         elif not serving:
             self._set(w, False, load, "health check says NOT_SERVING")
         else:
             self._set(w, True, load, "")
+
+    def _apply_cache_report(self, w: WorkerState, load: WorkerLoad, asked_ns: int) -> WorkerLoad:
+        """Bring w.cache up to the report's prefix_cache (asked for at ``asked_ns``); a worker
+        asked that sends none keeps no view (it runs an older version: the policy falls back to
+        what it sent there). Returns the load without the report."""
+        report = load.prefix_cache
+        if report is None:
+            if self.cache_reports:
+                w.cache = None
+            return load
+        if w.cache is None:
+            w.cache = ReportedCache()
+        w.cache.apply(report, asked_ns)
+        return dataclasses.replace(load, prefix_cache=None)
 
     @staticmethod
     def _set(w: WorkerState, healthy: bool, load: WorkerLoad | None, reason: str) -> None:

@@ -59,6 +59,7 @@ class RouterSettings:
     max_queued_requests: int = 1024
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # router/auth.py; () = open
     cache_overlap_weight: float = 1.0  # policies.CacheAware
+    cache_reports: bool = True  # ask workers for their prefix caches' changes (prefix_index)
 
     def __post_init__(self):
         _ = self.make_policy()  # ValueError naming the policy or its weight when bad
@@ -133,7 +134,7 @@ class RunningRouter:
         """Poll the workers once, then start the gRPC and HTTP servers."""
         registry = Registry({PREFILL: settings.prefill, DECODE: settings.decode},
                             {PREFILL: settings.prefill_dns, DECODE: settings.decode_dns},
-                            settings.poll_timeout_seconds)
+                            settings.poll_timeout_seconds, cache_reports=settings.cache_reports)
         await registry.refresh()
         registry.start(settings.refresh_seconds)
         dispatcher = Dispatcher(registry, settings.make_policy(),
@@ -228,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=RouterSettings.cache_overlap_weight,
                    help="cache-aware: how much a decode worker's cached prompt block counts "
                         "beside a block its running sequences hold (0: only the room it saves)")
+    g.add_argument("--cache-reports", action=argparse.BooleanOptionalAction,
+                   default=RouterSettings.cache_reports,
+                   help="cache-aware: learn what each worker's prefix cache holds from its load "
+                        "reports (stored and evicted blocks; default); --no-cache-reports: "
+                        "only from what this router sent it (an approximation)")
     g.add_argument("--refresh-seconds", type=float, default=1.0,
                    help="how often worker load is polled and DNS names re-resolved")
     g.add_argument("--request-timeout-seconds", type=float, default=600.0,
@@ -267,7 +273,8 @@ def settings_from_args(args) -> RouterSettings:
                           args.shutdown_grace_seconds, args.local_prefill_max_tokens,
                           args.local_prefill_queue_tokens, args.local_prefill_always_tokens,
                           args.queue_timeout_seconds, args.max_queued_requests,
-                          keys_from(args.api_key), args.cache_overlap_weight)
+                          keys_from(args.api_key), args.cache_overlap_weight,
+                          args.cache_reports)
 
 
 async def serve(args) -> None:

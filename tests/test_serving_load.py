@@ -1,6 +1,7 @@
 """Load and faults on real processes (tiny chat model, eager): 200 streamed requests with a quarter
 cancelled mid-stream by closing the HTTP connection leave no KV blocks or transfers behind and no
-memory growth; a prefill worker killed with requests in flight loses none of them."""
+memory growth; a prefill worker killed with requests in flight loses none of them; a chat's next
+turn finds its history; the router's view of each worker's prefix cache follows its reports."""
 import asyncio
 import random
 
@@ -8,9 +9,13 @@ import grpc
 import httpx
 import pytest
 
+from nxdi_common.cache_journal import MASK64
 from nxdi_common.serving.launcher import Cluster, LaunchSpec
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
+from router.policies import DECODE, PREFILL
+from router.prefix_index import block_hashes
+from router.registry import Registry
 
 
 def rss_kib(pid: int) -> int:
@@ -166,3 +171,54 @@ async def a_chat_with_a_busy_worker(cluster, turn1):
                 pass
     assert second["usage"]["prompt_tokens"] == 440
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 400, second["usage"]
+
+
+def test_the_router_learns_what_each_worker_caches_and_evicts(tiny_cluster):
+    """The router's registry polling the real workers (GetLoad with a cache cursor): after a
+    400-token prompt, exactly one decode worker and a prefill worker report its 25 chained block
+    hashes (as the router computes them from the token ids); after other prompts fill the decode
+    workers' 256-block pools, the holder reports them evicted; and the view built from report
+    after report equals a snapshot a new registry takes."""
+    asyncio.run(wait_idle(tiny_cluster))
+    asyncio.run(reports_follow_the_caches(tiny_cluster))
+
+
+async def reports_follow_the_caches(cluster):
+    addresses = {role: [w.grpc for w in cluster.workers if w.role == role]
+                 for role in (PREFILL, DECODE)}
+    registry = Registry(addresses)
+    url = f"{cluster.http_url}/v1/completions"
+
+    async def complete(client, prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        response = await client.post(url, json=body)
+        assert response.status_code == 200, response.text
+
+    try:
+        await registry.refresh()
+        workers = registry.workers(PREFILL) + registry.workers(DECODE)
+        assert all(w.healthy and w.cache is not None and w.cache.instance for w in workers)
+        prompt = [3000 + (i * 53) % 2000 for i in range(400)]
+        hashes = {h & MASK64 for h in block_hashes(prompt, 16)}
+        async with httpx.AsyncClient(timeout=120) as client:
+            await complete(client, prompt)
+            await registry.refresh()
+            holders = [w for w in registry.workers(DECODE) if hashes <= w.cache.blocks]
+            assert len(holders) == 1, [len(hashes & w.cache.blocks) for w in workers]
+            assert any(hashes <= w.cache.blocks for w in registry.workers(PREFILL))
+            for i in range(24):  # 24 x 25 blocks: more than both pools hold
+                await complete(client, [6000 + 97 * i + j for j in range(400)])
+                if i % 4 == 3:
+                    await registry.refresh()
+        await registry.refresh()
+        assert not hashes & holders[0].cache.blocks
+        fresh = Registry(addresses)
+        try:
+            await fresh.refresh()
+            for role in (PREFILL, DECODE):
+                for w, f in zip(registry.workers(role), fresh.workers(role)):
+                    assert w.cache.blocks == f.cache.blocks and w.cache.cursor == f.cache.cursor
+        finally:
+            await fresh.close()
+    finally:
+        await registry.close()

@@ -1,9 +1,10 @@
 """Protobuf <-> internal types for the messages every service handles (sampling parameters, stop
-criteria, token events). Each service's own convert module builds on these; nothing else in the
+criteria, token events, prefix-cache reports). Each service's own convert module builds on these; nothing else in the
 services touches protobuf messages."""
 from __future__ import annotations
 
 from protos.nxdi.serving.v1 import serving_pb2 as pb
+from nxdi_common.cache_journal import CacheReport
 from nxdi_common.serving import types as t
 
 FINISH_TO_PROTO = {
@@ -119,3 +120,26 @@ def token_from_proto(event: pb.TokenEvent) -> t.TokenOutput:
         top_logprobs=logprobs_from_proto(event.top_logprobs),
         finish_reason=FINISH_FROM_PROTO.get(event.finish_reason), usage=usage,
         prompt_logprobs=prompt_logprobs_from_proto(event.prompt_logprobs))
+
+
+# --- prefix-cache reports (GetLoad) ----------------------------------------------------------
+
+
+def cache_report_for(request: pb.GetLoadRequest, journal) -> pb.PrefixCacheReport | None:
+    """The PrefixCacheReport a GetLoad reply carries: the journal's changes since the request's
+    cache_cursor; None when the request set no cursor or the worker keeps no prefix cache
+    (journal None)."""
+    if journal is None or not request.HasField("cache_cursor"):
+        return None
+    cursor = request.cache_cursor
+    return cache_report_to_proto(journal.since(cursor.instance, cursor.seq))
+
+
+def cache_report_to_proto(report: CacheReport) -> pb.PrefixCacheReport:
+    return pb.PrefixCacheReport(instance=report.instance, seq=report.seq,
+                                snapshot=report.snapshot, stored=report.stored,
+                                removed=report.removed)
+
+
+def cache_report_from_proto(msg: pb.PrefixCacheReport) -> CacheReport:
+    return CacheReport(msg.instance, msg.seq, msg.snapshot, tuple(msg.stored), tuple(msg.removed))

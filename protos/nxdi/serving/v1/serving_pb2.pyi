@@ -417,11 +417,35 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., kv_chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ..., kv_socket: _Optional[_Union[KVSocket, _Mapping]] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("cache_cursor",)
+    CACHE_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    cache_cursor: CacheCursor
+    def __init__(self, cache_cursor: _Optional[_Union[CacheCursor, _Mapping]] = ...) -> None: ...
+
+class CacheCursor(_message.Message):
+    __slots__ = ("instance", "seq")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    instance: int
+    seq: int
+    def __init__(self, instance: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class PrefixCacheReport(_message.Message):
+    __slots__ = ("instance", "seq", "snapshot", "stored", "removed")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    instance: int
+    seq: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, instance: _Optional[int] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "address", "fingerprint", "queued_prompt_tokens", "queued_requests", "running_sequences", "max_running_sequences", "kv_blocks_used", "kv_blocks_free", "kv_block_size", "open_transfers", "reported_at_unix_ns", "running_prompt_tokens", "prefill_tokens_per_s")
+    __slots__ = ("role", "address", "fingerprint", "queued_prompt_tokens", "queued_requests", "running_sequences", "max_running_sequences", "kv_blocks_used", "kv_blocks_free", "kv_block_size", "open_transfers", "reported_at_unix_ns", "running_prompt_tokens", "prefill_tokens_per_s", "prefix_cache")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +460,7 @@ class WorkerLoad(_message.Message):
     REPORTED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     address: str
     fingerprint: ModelFingerprint
@@ -450,4 +475,5 @@ class WorkerLoad(_message.Message):
     reported_at_unix_ns: int
     running_prompt_tokens: int
     prefill_tokens_per_s: float
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_sequences: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., open_transfers: _Optional[int] = ..., reported_at_unix_ns: _Optional[int] = ..., running_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    prefix_cache: PrefixCacheReport
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_sequences: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., open_transfers: _Optional[int] = ..., reported_at_unix_ns: _Optional[int] = ..., running_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCacheReport, _Mapping]] = ...) -> None: ...
