@@ -7,7 +7,8 @@ Reports, over the turns after the first: time to first token (median, p90) and t
 prompt tokens the server reported as cached (usage.prompt_tokens_details.cached_tokens); and
 the wall time of the whole run. Made to compare the router's policies with several decode
 workers: where a turn lands on the worker holding its history, only the new tokens are
-computed.
+computed. With --url given more than once, a chat's turns go to each URL in turn: several
+routers in front of the same workers, each seeing only part of a chat.
 
     .venv/bin/python bench/bench_multiturn.py --url http://127.0.0.1:8000 \\
         --conversations 8 --turns 4 --concurrency 4 --system-tokens 300 --user-tokens 60 \\
@@ -52,12 +53,13 @@ async def turn(client: httpx.AsyncClient, url: str, model: str, messages: list[d
             "cached": details.get("cached_tokens", 0)}
 
 
-async def conversation(client, args, model: str, system: str, questions: list[str]):
+async def conversation(client, args, model: str, system: str, questions: list[str], c: int):
     messages = [{"role": "system", "content": system}]
     results = []
-    for question in questions:
+    for i, question in enumerate(questions):
         messages.append({"role": "user", "content": question})
-        result = await turn(client, args.url, model, messages, args.max_tokens)
+        url = args.url[(c + i) % len(args.url)]  # several routers: turns alternate between them
+        result = await turn(client, url, model, messages, args.max_tokens)
         messages.append({"role": "assistant", "content": result["answer"]})
         results.append(result)
     return results
@@ -66,19 +68,23 @@ async def conversation(client, args, model: str, system: str, questions: list[st
 async def run(args, system: str, questions: list[list[str]]):
     sem = asyncio.Semaphore(args.concurrency)
     async with httpx.AsyncClient(timeout=900) as client:
-        model = args.model or (await client.get(f"{args.url}/v1/models")).json()["data"][0]["id"]
+        model = args.model or \
+            (await client.get(f"{args.url[0]}/v1/models")).json()["data"][0]["id"]
 
-        async def limited(qs):
+        async def limited(qs, c):
             async with sem:
-                return await conversation(client, args, model, system, qs)
+                return await conversation(client, args, model, system, qs, c)
         start = time.perf_counter()
-        out = await asyncio.gather(*(limited(qs) for qs in questions))
+        out = await asyncio.gather(*(limited(qs, c) for c, qs in enumerate(questions)))
         return out, time.perf_counter() - start
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", action="append",
+                   help="the server (default http://127.0.0.1:8000); repeated: routers of one "
+                        "cluster, a chat's turns sent to each in turn (as a load balancer "
+                        "without session affinity would)")
     p.add_argument("--model", help="model id (default: the server's first)")
     p.add_argument("--tokenizer", required=True, help="the checkpoint's tokenizer folder")
     p.add_argument("--conversations", type=int, default=8)
@@ -88,6 +94,7 @@ def main() -> None:
     p.add_argument("--user-tokens", type=int, default=60)
     p.add_argument("--max-tokens", type=int, default=32)
     args = p.parse_args()
+    args.url = args.url or ["http://127.0.0.1:8000"]
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     system = tokenizer.decode(windows(tokenizer, 1, args.system_tokens)[0])
@@ -101,7 +108,7 @@ def main() -> None:
     cached = sum(r["cached"] for r in later) / max(sum(r["prompt"] for r in later), 1)
     first = sum(conv[0]["cached"] for conv in results) / max(sum(conv[0]["prompt"]
                                                                  for conv in results), 1)
-    print(f"{args.url}: {args.conversations} chats x {args.turns} turns ({args.concurrency} at "
+    print(f"{' '.join(args.url)}: {args.conversations} chats x {args.turns} turns ({args.concurrency} at "
           f"once), system {args.system_tokens} tokens, questions {args.user_tokens}, answers "
           f"{args.max_tokens}: turns 2+: TTFT median {statistics.median(ttfts):.3f} s, p90 "
           f"{p90:.3f} s, cached {cached:.0%} of prompt tokens (first turns {first:.0%}); "
