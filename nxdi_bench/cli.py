@@ -5,8 +5,8 @@
   nxdi-bench compare [--configs disaggregated,aggregated,vllm-cpu,llama.cpp,replicated] [--quick]
                      starts each configuration itself, sweeps each, writes table + plots
 
-Every command takes --workload {chat,long-context,mixed}, --seed, --slo-ttft, --slo-tpot, and
-writes JSON results (--out / --out-dir) that a later run can be compared with."""
+Every command takes --workload {chat,long-context,mixed,shared-prefix}, --seed, --slo-ttft,
+--slo-tpot, and writes JSON results (--out / --out-dir) that a later run can be compared with."""
 from __future__ import annotations
 
 import argparse

@@ -109,3 +109,38 @@ def test_requests_are_reproducible_and_seeds_differ(builder):
     # Prompts share no long prefix (no accidental prefix-cache hits between requests).
     first_words = {r.prompt.split()[0] + r.prompt.split()[1] for r in a}
     assert len(first_words) == len(a)
+
+
+def test_shared_prefix_prompts_open_with_one_of_the_prefixes_token_for_token(builder):
+    """Each prompt is one of the class's shared prefixes (its tokens exactly, so a prefix
+    cache can hold them) and then its own drawn tokens; the prefixes are picked uniformly and
+    a seed names the same requests."""
+    w = Workload("t", (RequestClass("s", 1.0, (5, 40), (1, 4), shared_prefixes=3,
+                                    prefix_tokens=48),))
+    requests = draw_requests(w, 60, builder, seed=4)
+    assert requests == draw_requests(w, 60, builder, seed=4)
+    assert [(r.kind, r.prompt_tokens, r.output_tokens) for r in requests] == \
+        draw_lengths(w, 60, seed=4)
+    encode = builder.tokenizer.encode
+    heads = {}
+    for r in requests:
+        ids = encode(r.prompt, add_special_tokens=False)
+        assert len(ids) == r.prompt_tokens and 53 <= r.prompt_tokens <= 88
+        heads.setdefault(r.prefix, set()).add(tuple(ids[:48]))
+    assert sorted(heads) == [0, 1, 2] and all(len(h) == 1 for h in heads.values())
+    assert len({next(iter(h)) for h in heads.values()}) == 3  # three different prefixes
+    counts = np.bincount([r.prefix for r in requests], minlength=3)
+    assert stats.chisquare(counts).pvalue > 0.01
+    tails = {r.prompt[len(r.prompt) // 2:] for r in requests}
+    assert len(tails) == 60  # the rest is each request's own
+
+
+def test_shared_prefix_workload_fits_and_scales_its_prefix():
+    w = get_workload("shared-prefix")
+    (cls,) = w.classes
+    assert cls.shared_prefixes == 4 and cls.prefix_tokens == 1024
+    assert w.max_total_tokens == 1024 + 256 + 192
+    small = w.fit(512).classes[0]
+    assert small.prefix_tokens < 1024 and small.max_total_tokens <= 512
+    with pytest.raises(ValueError, match="shared_prefixes and prefix_tokens"):
+        RequestClass("x", 1.0, (1, 2), (1, 2), shared_prefixes=2)
