@@ -221,19 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a DNS name whose every address is a prefill worker (repeatable)")
     g.add_argument("--decode-dns", action="append", default=[], metavar="HOST:PORT",
                    help="a DNS name whose every address is a decode worker (repeatable)")
-    g.add_argument("--policy", choices=sorted(POLICIES), default=RouterSettings.policy,
-                   help="how workers are ranked for a request (router/policies.py): "
-                        "cache-aware (default) counts the prompt blocks each worker is believed "
-                        "to hold as work saved, against its load")
-    g.add_argument("--cache-overlap-weight", type=float,
-                   default=RouterSettings.cache_overlap_weight,
-                   help="cache-aware: how much a decode worker's cached prompt block counts "
-                        "beside a block its running sequences hold (0: only the room it saves)")
-    g.add_argument("--cache-reports", action=argparse.BooleanOptionalAction,
-                   default=RouterSettings.cache_reports,
-                   help="cache-aware: learn what each worker's prefix cache holds from its load "
-                        "reports (stored and evicted blocks; default); --no-cache-reports: "
-                        "only from what this router sent it (an approximation)")
+    add_policy_args(g)
     g.add_argument("--refresh-seconds", type=float, default=1.0,
                    help="how often worker load is polled and DNS names re-resolved")
     g.add_argument("--request-timeout-seconds", type=float, default=600.0,
@@ -249,6 +237,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for room at once; the next is refused at once")
     add_local_prefill_args(p.add_argument_group("conditional disaggregation"))
     return p
+
+
+def add_policy_args(g) -> None:
+    g.add_argument("--policy", choices=sorted(POLICIES), default=RouterSettings.policy,
+                   help="how workers are ranked for a request (router/policies.py): "
+                        "cache-aware (default) counts the prompt blocks each worker is believed "
+                        "to hold as work saved, against its load")
+    g.add_argument("--cache-overlap-weight", type=float,
+                   default=RouterSettings.cache_overlap_weight,
+                   help="cache-aware: how much a decode worker's cached prompt block counts "
+                        "beside a block its running sequences hold (0: only the room it saves)")
+    g.add_argument("--cache-reports", action=argparse.BooleanOptionalAction,
+                   default=RouterSettings.cache_reports,
+                   help="cache-aware: learn what each worker's prefix cache holds from its load "
+                        "reports (stored and evicted blocks; default); --no-cache-reports: "
+                        "only from what this router sent it (an approximation)")
 
 
 def add_local_prefill_args(g) -> None:
