@@ -8,6 +8,7 @@ format into text / token ids / chat messages plus SamplingOptions and StopOption
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ from nxdi_common.serving.structured import GrammarCompiler
 from nxdi_common.serving.types import (ModelLimits, SamplingOptions, StopOptions, check_prompt,
                                        check_sampling, resolve_max_tokens)
 from router.tools import ToolCall, ToolRequest, message_tool_calls, render_fallback, \
-    render_native, template_renders_tools
+    render_native, template_call_format, template_renders_tools
 
 log = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -81,6 +82,8 @@ class ModelFrontend:
         self.limits = limits
         self.created = int(time.time()) if created is None else created
         self.native_tools = template_renders_tools(tokenizer)  # else router/tools.py's prompt
+        # how the model writes tool calls (router/tools.py CALL_FORMATS; --tool-call-parser)
+        self.tool_call_format = template_call_format(tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.grammars = GrammarCompiler(lambda: self.tokenizer, limits.vocab_size,
                                         [] if eos is None else [eos])
@@ -103,6 +106,11 @@ class ModelFrontend:
         if model and model != self.name:
             raise ModelNotFound("model", f"model {model!r} is not served here; "
                                          f"available: [{self.name!r}]")
+
+    def tools_for(self, tools: ToolRequest | None) -> ToolRequest | None:
+        """A request's tools with this model's call format (parser, constraint)."""
+        return None if tools is None else dataclasses.replace(
+            tools, call_format=self.tool_call_format)
 
     # --- tokenization --------------------------------------------------------------------
 
@@ -130,7 +138,7 @@ class ModelFrontend:
             if tools is not None and tools.in_prompt:
                 extra["tools"] = [t.as_openai() for t in tools.tools]
         else:
-            messages = render_fallback(messages, turns, tools)
+            messages = render_fallback(messages, turns, tools, self.tool_call_format)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)

@@ -20,7 +20,7 @@ from router import convert
 from router.dispatch import Dispatcher
 from router.frontend import ModelFrontend, RoutedRequest
 from router.policies import DECODE
-from router.tools import ToolRequest, split_output, with_tools
+from router.tools import ToolRequest, with_tools
 
 
 def routed_from_proto(req, frontend: ModelFrontend,
@@ -51,7 +51,7 @@ class RouterServicer(convert.RouterServicerBase):
     async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
         started = time.monotonic()
         try:
-            tools = convert.generate_tools(request)
+            tools = self.frontend.tools_for(convert.generate_tools(request))
             routed = routed_from_proto(request, self.frontend, tools)
             await self.frontend.check_structured(routed.sampling, "sampling.structured_output")
         except ValueError:
@@ -67,7 +67,7 @@ class RouterServicer(convert.RouterServicerBase):
                 if parses:
                     text.append(out.text)
                     if out.finish_reason is not None:
-                        calls = split_output("".join(text), tools.names(), not tools.parallel)[1]
+                        calls = tools.split("".join(text))[1]
                 yield convert.token_event(out, calls)
 
     async def ListModels(self, request, context: grpc.aio.ServicerContext):  # noqa: N802

@@ -280,7 +280,7 @@ def _add_generation_routes(app: FastAPI, frontend: ModelFrontend, dispatcher: Di
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         started = time.monotonic()
-        tools = chat_tools(body)
+        tools = frontend.tools_for(chat_tools(body))
         routed = chat_to_routed(body, frontend, tools=tools)
         await frontend.check_structured(routed.sampling, structured_field(body))
         formatter = fmt.ChatFormatter(frontend, routed, body, choices(body), tools=tools)

@@ -19,7 +19,7 @@ from nxdi_common.serving import types as t
 from nxdi_common.serving.types import TokenOutput
 from router.dispatch import WorkerError
 from router.frontend import ModelFrontend, RoutedRequest
-from router.tools import CallParser, Content, ToolRequest, split_output
+from router.tools import Content, ToolRequest
 
 SSE_DONE = "data: [DONE]\n\n"
 FINISH_REASONS = {t.LENGTH: "length", t.EOS_TOKEN: "stop", t.STOP_TOKEN: "stop",
@@ -248,8 +248,7 @@ class ChatFormatter(Formatter):
         super().__init__(frontend, routed, body, n, prompts)
         self.tools = tools if tools is not None and tools.parses_calls else None
         if self.tools is not None:
-            first_only = not self.tools.parallel
-            self._parsers = [CallParser(self.tools.names(), first_only) for _ in range(self.n)]
+            self._parsers = [self.tools.parser() for _ in range(self.n)]
             self._blank = [""] * self.n  # trailing whitespace held: dropped if calls end it
             self._calls = [0] * self.n  # calls sent, each choice's
 
@@ -282,8 +281,7 @@ class ChatFormatter(Formatter):
         message = {"role": "assistant", "content": text}
         reason = finish_reason(outs[-1].finish_reason if outs else None)
         if self.tools is not None:
-            message["content"], calls = split_output(text, self.tools.names(),
-                                                     not self.tools.parallel)
+            message["content"], calls = self.tools.split(text)
             if calls:
                 message["tool_calls"] = [c.as_openai() for c in calls]
                 reason = "tool_calls" if reason == "stop" else reason

@@ -32,6 +32,7 @@ from router.openai_api import create_app
 from router.policies import (DECODE, POLICIES, PREFILL, CacheAware, LocalPrefillRule,
                              make_policy)
 from router.registry import Registry, join_host_port
+from router.tools import CALL_FORMATS
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 << 20  # requests and token events are small; 8 MiB bounds a long prompt
@@ -209,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the gRPC Router service (repeatable; also the NXDI_API_KEY "
                         "environment variable, comma-separated, which keeps keys out of the "
                         "process list)")
+    p.add_argument("--tool-call-parser", choices=("auto",) + CALL_FORMATS, default="auto",
+                   help="how the model writes tool calls: auto (default) takes the chat "
+                        "template's (llama3_json for Llama 3.1-3.3's JSON calls, else hermes: "
+                        "<tool_call> tags, also what the router's own tool prompt teaches)")
     p.add_argument("--no-request-log", action="store_true",
                    help="no line per finished request on the router.requests logger (id, "
                         "outcome, worker, token counts, finish reason, TTFT, latency; never text)")
@@ -286,6 +291,8 @@ async def serve(args) -> None:
     settings = settings_from_args(args)
     opts = model_options_from_args(args)
     frontend = await asyncio.to_thread(ModelFrontend.from_options, opts, args.model_name)
+    if args.tool_call_parser != "auto":
+        frontend.tool_call_format = args.tool_call_parser
     router = await RunningRouter.start(frontend, settings)
     stopped = install_shutdown(asyncio.get_running_loop(), router.stop)
     print_ready("router", grpc=router.grpc_address, http=router.http_address)

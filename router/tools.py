@@ -9,6 +9,15 @@ format most open chat models were tuned on)::
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+or, where the chat template is Llama 3.1-3.3's (template_call_format; the router's
+``--tool-call-parser`` overrides it), in Llama 3's JSON format: the whole answer is the calls,
+JSON objects separated by "; ", optionally after ``<|python_tag|>``::
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+A request's ToolRequest carries the format (ModelFrontend.tools_for); its parser, constraint and
+the fallback prompt below follow it.
+
 - The prompt: a chat template that renders tools itself (its source mentions ``tools``) gets
   them as Hugging Face templates take them (``tools=``, assistant ``tool_calls`` with arguments
   as objects, ``tool`` messages with ``tool_call_id``). A template that does not (SmolLM2's) gets
@@ -47,6 +56,10 @@ MAX_TOOLS = 128  # OpenAI's limit
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_MODES = ("none", "auto", "required")
+HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+CALL_FORMATS = (HERMES, LLAMA3_JSON)
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.x: may open a call (its built-in tools' marker)
+LLAMA3_SEPARATOR = "; "  # between parallel Llama 3.x calls
 
 
 @dataclass(frozen=True)
@@ -89,6 +102,7 @@ class ToolRequest:
     mode: str = "auto"  # "none" | "auto" | "required" | "named"
     name: str = ""  # the function, when mode == "named"
     parallel: bool = True  # more than one call allowed (parallel_tool_calls)
+    call_format: str = HERMES  # how the model writes calls (the frontend's, CALL_FORMATS)
 
     @property
     def in_prompt(self) -> bool:
@@ -101,6 +115,15 @@ class ToolRequest:
     def names(self) -> set[str]:
         return {t.name for t in self.tools}
 
+    def parser(self) -> CallParser | JsonCallParser:
+        """A streaming parser of this request's calls in its format."""
+        cls = JsonCallParser if self.call_format == LLAMA3_JSON else CallParser
+        return cls(self.names(), not self.parallel)
+
+    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole output as (content, calls) (split_output in this request's format)."""
+        return split_output(text, self.names(), not self.parallel, self.call_format)
+
     def constraint(self) -> StructuredOutput | None:
         """The Lark grammar that holds a "required" or named answer to calls, or an "auto"
         answer's calls when a tool is strict (None otherwise)."""
@@ -109,29 +132,40 @@ class ToolRequest:
         if self.mode not in ("required", "named"):
             return None
         tools = [t for t in self.tools if self.mode == "required" or t.name == self.name]
+        between = LLAMA3_SEPARATOR if self.call_format == LLAMA3_JSON else "\n"
         lines = ["start: " + ("call" if self.mode == "named" or not self.parallel
-                              else 'call ("\\n" call)*'),
+                              else f"call ({json.dumps(between)} call)*"),
                  "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
-        tail = json.dumps("}\n" + CALL_CLOSE)
         for i, tool in enumerate(tools):
             # bounded JSON whitespace as response_format's (a schema's own x-guidance wins)
             schema = {"x-guidance": JSON_DEFAULTS, **json.loads(tool.parameters)}
-            head = json.dumps(f'{CALL_OPEN}\n{{"name": {json.dumps(tool.name)}, "arguments": ')
-            lines += [f"call_{i}: {head} args_{i} {tail}", f"args_{i}: %json {json.dumps(schema)}"]
+            begin, end = _call_ends(tool.name, self.call_format)
+            lines += [f"call_{i}: {json.dumps(begin)} args_{i} {json.dumps(end)}",
+                      f"args_{i}: %json {json.dumps(schema)}"]
         return StructuredOutput("lark_grammar", "\n".join(lines) + "\n")
 
     def _strict_auto(self) -> StructuredOutput:
-        """Free text, but what follows a ``<tool_call>`` tag is a call of one of the tools with
-        arguments valid for its schema (a strict tool's; any object for the others):
-        llguidance's structural tags (a lazy trigger, then the call's grammar)."""
+        """Free text, but what follows a ``<tool_call>`` tag (Llama 3.x: ``{"name": ``) is a
+        call of one of the tools with arguments valid for its schema (a strict tool's; any
+        object for the others): llguidance's structural tags (a lazy trigger, then the call's
+        grammar)."""
         from llguidance import StructTag
-        tags = [StructTag(trigger=CALL_OPEN, begin=f'{CALL_OPEN}\n{{"name": {json.dumps(t.name)}, '
-                                                   f'"arguments": ',
-                          grammar={"x-guidance": JSON_DEFAULTS,
-                                   **(json.loads(t.parameters) if t.strict else {"type": "object"})},
-                          end=f"}}\n{CALL_CLOSE}")
-                for t in self.tools]
+        trigger = '{"name": ' if self.call_format == LLAMA3_JSON else CALL_OPEN
+        tags = []
+        for t in self.tools:
+            begin, end = _call_ends(t.name, self.call_format)
+            tags.append(StructTag(
+                trigger=trigger, begin=begin, end=end,
+                grammar={"x-guidance": JSON_DEFAULTS,
+                         **(json.loads(t.parameters) if t.strict else {"type": "object"})}))
         return StructuredOutput("lark_grammar", StructTag.to_grammar(tags, assume_special=False))
+
+
+def _call_ends(name: str, call_format: str) -> tuple[str, str]:
+    """The text of a call of ``name`` before its arguments object, and after it."""
+    if call_format == LLAMA3_JSON:
+        return f'{{"name": {json.dumps(name)}, "parameters": ', "}"
+    return f'{CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ', f"}}\n{CALL_CLOSE}"
 
 
 def with_tools(sampling: SamplingOptions, tools: ToolRequest | None,
@@ -255,12 +289,28 @@ def message_tool_calls(calls, where: str) -> tuple[ToolCall, ...]:
 # --- the prompt --------------------------------------------------------------------------------
 
 
-def template_renders_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template shows the model its tools itself."""
+def _tools_template(tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: the "tool_use" one, else the default
         template = template.get("tool_use") or template.get("default")
-    return isinstance(template, str) and "tools" in template
+    return template if isinstance(template, str) else ""
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template shows the model its tools itself."""
+    return "tools" in _tools_template(tokenizer)
+
+
+def template_call_format(tokenizer) -> str:
+    """The call format the model's chat template teaches it: LLAMA3_JSON for Llama 3.1-3.3's
+    (which ask for a JSON object {"name": ..., "parameters": ...}, built-in tools after
+    <|python_tag|>), else HERMES (also what router/tools.py's own prompt teaches, for a template
+    that does not render tools)."""
+    template = _tools_template(tokenizer)
+    if "tools" in template and (PYTHON_TAG in template
+                                or '"parameters": dictionary of argument name' in template):
+        return LLAMA3_JSON
+    return HERMES
 
 
 def _arguments_object(text: str):
@@ -289,38 +339,47 @@ def render_native(messages: list[dict], turns) -> list[dict]:
     return out
 
 
-def format_call(call: ToolCall) -> str:
+def format_call(call: ToolCall, call_format: str = HERMES) -> str:
     """A call in the format the model writes it."""
     args = _arguments_object(call.arguments)
+    if call_format == LLAMA3_JSON:
+        return json.dumps({"name": call.name, "parameters": args})
     return f"{CALL_OPEN}\n{json.dumps({'name': call.name, 'arguments': args})}\n{CALL_CLOSE}"
 
 
-def tools_system_text(tools: tuple[Tool, ...]) -> str:
+def tools_system_text(tools: tuple[Tool, ...], call_format: str = HERMES) -> str:
     listing = "\n".join(json.dumps(t.as_openai()) for t in tools)
+    if call_format == LLAMA3_JSON:
+        how = ("To call a function, answer with only a JSON object of its name and arguments, "
+               'several separated by "; ":\n'
+               '{"name": <function-name>, "parameters": <args-json-object>}\n')
+    else:
+        how = ("To call a function, answer with a JSON object of its name and arguments inside "
+               "<tool_call></tool_call> tags, one block for each call:\n"
+               f'{CALL_OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n'
+               f"{CALL_CLOSE}\n")
     return ("You can call functions. Their signatures, as JSON Schema, are inside <tools></tools>:"
-            f"\n<tools>\n{listing}\n</tools>\n"
-            "To call a function, answer with a JSON object of its name and arguments inside "
-            "<tool_call></tool_call> tags, one block for each call:\n"
-            f'{CALL_OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n'
-            f"{CALL_CLOSE}\n"
+            f"\n<tools>\n{listing}\n</tools>\n{how}"
             "A function's result comes back inside <tool_response></tool_response> tags.")
 
 
-def render_fallback(messages: list[dict], turns, tools: ToolRequest | None) -> list[dict]:
+def render_fallback(messages: list[dict], turns, tools: ToolRequest | None,
+                    call_format: str = HERMES) -> list[dict]:
     """``messages`` with the tools in the (first) system message, earlier calls written into
     the assistant messages and tool results inside <tool_response> tags, for a template that
-    does not render tools."""
+    does not render tools; calls written in ``call_format``."""
     out = []
     for message, turn in zip(messages, turns):
         content = message["content"]
         if turn.tool_calls:
-            calls = "\n".join(format_call(c) for c in turn.tool_calls)
+            separator = LLAMA3_SEPARATOR if call_format == LLAMA3_JSON else "\n"
+            calls = separator.join(format_call(c, call_format) for c in turn.tool_calls)
             content = f"{content}\n{calls}" if content else calls
         if turn.role == "tool":
             content = f"<tool_response>\n{content}\n</tool_response>"
         out.append({**message, "content": content})
     if tools is not None and tools.in_prompt:
-        text = tools_system_text(tools.tools)
+        text = tools_system_text(tools.tools, call_format)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
         else:
@@ -388,6 +447,68 @@ class CallParser:
         return call
 
 
+class JsonCallParser:
+    """Finds Llama 3.x calls in a model's output as it streams (feed / finish as CallParser).
+    An output that opens (after whitespace, and an optional <|python_tag|>) with "{" is held to
+    the end, then taken as calls when it is JSON objects {"name": <one of ``names``>,
+    "parameters" (or "arguments"): {...}} separated by ";" and nothing else, else as content
+    (as vLLM's llama3_json parser does); an output that opens with anything else is content,
+    streamed as it comes."""
+
+    def __init__(self, names: set[str], first_only: bool = False):
+        self.names, self.first_only = names, first_only
+        self._buf = ""
+        self._held: bool | None = None  # None: not told apart yet
+        self.calls = 0
+
+    def feed(self, text: str) -> list:
+        self._buf += text
+        if self._held is None:
+            head = self._buf.lstrip()
+            if not head or (len(head) < len(PYTHON_TAG) and PYTHON_TAG.startswith(head)):
+                return []
+            self._held = head.startswith(("{", PYTHON_TAG))
+        if self._held:
+            return []
+        out, self._buf = [Content(self._buf)] if self._buf else [], ""
+        return out
+
+    def finish(self) -> list:
+        rest, self._buf = self._buf, ""
+        calls = _parse_json_calls(rest, self.names) if self._held else None
+        if calls is None:
+            return [Content(rest)] if rest else []
+        calls = calls[:1] if self.first_only else calls
+        self.calls += len(calls)
+        return calls
+
+
+def _parse_json_calls(text: str, names: set[str]) -> list[ToolCall] | None:
+    """``text`` as Llama 3.x calls (JsonCallParser), None when it is not only calls."""
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):]
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(body) and body[i].isspace():
+            i += 1
+        try:
+            obj, i = decoder.raw_decode(body, i)
+        except ValueError:
+            return None
+        call = _call_from(obj, names)
+        if call is None:
+            return None
+        calls.append(call)
+        while i < len(body) and body[i].isspace():
+            i += 1
+        if i == len(body):
+            return calls
+        if body[i] != ";":
+            return None
+        i += 1
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that is a start of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -401,6 +522,12 @@ def _parse_call(body: str, names: set[str]) -> ToolCall | None:
         obj = json.loads(body)
     except ValueError:
         return None
+    return _call_from(obj, names)
+
+
+def _call_from(obj, names: set[str]) -> ToolCall | None:
+    """A decoded call object as a ToolCall; None unless it names one of ``names`` and carries
+    an arguments object ("arguments" or "parameters", or JSON text of one)."""
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -414,11 +541,11 @@ def _parse_call(body: str, names: set[str]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
 
 
-def split_output(text: str, names: set[str], first_only: bool = False
-                 ) -> tuple[str | None, list[ToolCall]]:
+def split_output(text: str, names: set[str], first_only: bool = False,
+                 call_format: str = HERMES) -> tuple[str | None, list[ToolCall]]:
     """A whole output as (content, calls): with calls, content is the text outside them less
     its trailing whitespace, None when that leaves nothing."""
-    parser = CallParser(names, first_only)
+    parser = (JsonCallParser if call_format == LLAMA3_JSON else CallParser)(names, first_only)
     pieces = parser.feed(text) + parser.finish()
     content = "".join(p.text for p in pieces if isinstance(p, Content))
     calls = [p for p in pieces if isinstance(p, ToolCall)]

@@ -14,8 +14,8 @@ from nxdi_common.serving.types import TokenOutput
 from router.frontend import ChatTurn, ModelFrontend
 from router.openai_format import ChatFormatter
 from router.openai_schema import ChatRequest, chat_to_routed, chat_tools
-from router.tools import (CallParser, Content, ToolCall, parse_tools, split_output,
-                          template_renders_tools)
+from router.tools import (CallParser, Content, JsonCallParser, ToolCall, parse_tools,
+                          split_output, template_call_format, template_renders_tools)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -262,8 +262,9 @@ def _outs(tokenizer, text, reason=t.EOS_TOKEN):
 def _formatter(frontend, tools, **extra):
     body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                        "tools": tools, **extra})
-    routed = chat_to_routed(body, frontend, tools=chat_tools(body))
-    return ChatFormatter(frontend, routed, body, tools=chat_tools(body))
+    tools = frontend.tools_for(chat_tools(body))  # as router/openai_api.py does
+    routed = chat_to_routed(body, frontend, tools=tools)
+    return ChatFormatter(frontend, routed, body, tools=tools)
 
 
 def test_stream_chunks_carry_content_then_each_call_once_and_the_finish(frontend):
@@ -300,3 +301,115 @@ def test_stream_of_calls_only_sends_no_blank_content_and_text_only_is_plain(fron
         "No need for tools here."
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "tool_calls" not in f.response([outs])["choices"][0]["message"]
+
+
+# --- Llama 3.x JSON calls ------------------------------------------------------------------------
+
+L_W = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+L_A = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+LLAMA_CASES = [
+    (L_W, (None, [("get_weather", {"city": "Paris", "unit": "c"})])),
+    ("<|python_tag|>" + L_A, (None, [("add", {"a": 1, "b": 2})])),
+    (f"\n {L_A}; {L_W}\n", (None, [("add", {"a": 1, "b": 2}),
+                                   ("get_weather", {"city": "Paris", "unit": "c"})])),
+    ('{"name": "add", "arguments": "{\\"a\\": 4, \\"b\\": 1}"}', (None, [("add", {"a": 4, "b": 1})])),
+    # anything but calls alone is content, as written
+    ("Just text.", ("Just text.", [])),
+    ('The answer is {"a": 1}', ('The answer is {"a": 1}', [])),
+    ('{"answer": 42}', ('{"answer": 42}', [])),
+    ('{"name": "rm", "parameters": {}}', ('{"name": "rm", "parameters": {}}', [])),
+    (f"{L_A} and then", (f"{L_A} and then", [])),
+    (f"{L_A};", (f"{L_A};", [])),
+    ('{"name": "add", "param', ('{"name": "add", "param', [])),
+    ("<|python_t", ("<|python_t", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", LLAMA_CASES)
+def test_llama3_json_calls_whole_and_fed_in_any_split(text, expected):
+    assert _summary(*split_output(text, NAMES, call_format="llama3_json")) == expected
+    rng = random.Random(len(text))
+    splits = [[text[i:i + 1] for i in range(len(text))]]
+    for _ in range(10):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
+        splits.append([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
+    for parts in splits:
+        parser = JsonCallParser(NAMES)
+        pieces = [p for part in parts for p in parser.feed(part)] + parser.finish()
+        content = "".join(p.text for p in pieces if isinstance(p, Content))
+        calls = [p for p in pieces if isinstance(p, ToolCall)]
+        got = _summary((content.rstrip() or None) if calls else content, calls)
+        assert got == expected, parts
+
+
+def test_llama3_json_text_streams_at_once_and_a_call_is_held_to_the_end():
+    parser = JsonCallParser(NAMES)
+    assert parser.feed(" ") == [] and parser.feed("Hel") == [Content(" Hel")]
+    assert parser.feed("lo") == [Content("lo")]
+    parser = JsonCallParser(NAMES, first_only=True)
+    assert parser.feed("<|python") == [] and parser.feed("_tag|>{") == []
+    assert parser.feed(L_A[1:] + "; " + L_W) == []
+    assert [c.name for c in parser.finish()] == ["add"]  # parallel_tool_calls false: the first
+
+
+def test_llama3_json_required_and_strict_auto_grammars(grammars, tokenizer):
+    tools = dataclasses.replace(parse_tools([WEATHER, ADD], "required", None),
+                                call_format="llama3_json")
+    assert _feeds(grammars, tokenizer, tools, f"{L_W}; {L_A}")
+    assert not _feeds(grammars, tokenizer, tools, CALL_A)  # the Hermes form is not taken
+    assert not _feeds(grammars, tokenizer, tools,
+                      '{"name": "get_weather", "parameters": {"city": "Paris"}}')  # no unit
+    one = dataclasses.replace(tools, parallel=False)
+    assert _feeds(grammars, tokenizer, one, L_A) and not _feeds(grammars, tokenizer, one,
+                                                                f"{L_A}; {L_A}")
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    auto = dataclasses.replace(parse_tools([strict], None, None), call_format="llama3_json")
+    assert _feeds(grammars, tokenizer, auto, "Let me look that up. " + L_W)
+    assert not _feeds(grammars, tokenizer, auto, '{"name": "get_weather", "parameters": {"x": 1')
+
+
+LLAMA_TEMPLATE = (  # the parts of Llama 3.1's template that tell its format apart
+    "{% if tools %}Given the following functions, please respond with a JSON for a function "
+    "call with its proper arguments.\nRespond in the format {\"name\": function name, "
+    "\"parameters\": dictionary of argument name and its value}.{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}[{{ m.role }}]{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<|python_tag|>{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}\n{% endfor %}")
+
+
+def test_a_llama3_template_makes_its_json_calls_the_format(frontend):
+    from copy import copy
+    assert frontend.tool_call_format == "hermes"  # SmolLM2: the router's own (Hermes) prompt
+    tokenizer = copy(frontend.tokenizer)
+    tokenizer.chat_template = LLAMA_TEMPLATE
+    assert template_call_format(tokenizer) == "llama3_json"
+    llama = ModelFrontend("m", tokenizer, frontend.limits)
+    text = tokenizer.decode(llama.encode_chat(HISTORY, tools=parse_tools([WEATHER], None, None)))
+    assert '[assistant]<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"' in text
+    f = _formatter(llama, [WEATHER, ADD])
+    assert f.tools.call_format == "llama3_json"
+    chunks = [c for o in _outs(tokenizer, f"{L_W}; {L_A}") for c in f.token_chunks(o)]
+    calls = [d["tool_calls"][0]["function"] for c in chunks
+             if "tool_calls" in (d := c["choices"][0]["delta"])]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": 2})]
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                       "tools": [WEATHER], "tool_choice": "required"})
+    routed = chat_to_routed(body, llama, tools=llama.tools_for(chat_tools(body)))
+    assert '"parameters\\": ' in routed.sampling.structured.spec
+
+
+def test_a_forced_llama3_format_on_a_template_without_tools_teaches_it(frontend):
+    from copy import copy
+    forced = copy(frontend)
+    forced.tool_call_format = "llama3_json"
+    text = forced.tokenizer.decode(forced.encode_chat(
+        HISTORY, tools=parse_tools([WEATHER], None, None)))
+    assert '{"name": <function-name>, "parameters": <args-json-object>}' in text
+    assert '<|im_start|>assistant\n{"name": "get_weather", "parameters": {"city": "Paris", ' \
+           '"unit": "c"}}<|im_end|>' in text
+    from router.server import build_parser
+    assert build_parser().parse_args(["--tool-call-parser", "llama3_json"]).tool_call_parser == \
+        "llama3_json"
