@@ -73,20 +73,26 @@ def test_split_output_finds_the_calls(text, expected):
     assert _summary(*split_output(text, NAMES)) == expected
 
 
-@pytest.mark.parametrize("text,expected", CASES)
-def test_the_parser_fed_in_any_split_settles_the_same_pieces(text, expected):
+def _check_fed_in_splits(text, expected, make_parser, rounds=20):
+    """Every split of ``text`` (one character at a time, and ``rounds`` random cuts) fed to a
+    fresh parser settles ``expected``."""
     rng = random.Random(len(text))
     splits = [[text[i:i + 1] for i in range(len(text))]]  # one character at a time
-    for _ in range(20):
+    for _ in range(rounds):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
         splits.append([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
     for parts in splits:
-        parser = CallParser(NAMES)
+        parser = make_parser()
         pieces = [p for part in parts for p in parser.feed(part)] + parser.finish()
         content = "".join(p.text for p in pieces if isinstance(p, Content))
         calls = [p for p in pieces if isinstance(p, ToolCall)]
         got = _summary((content.rstrip() or None) if calls else content, calls)
         assert got == expected, parts
+
+
+@pytest.mark.parametrize("text,expected", CASES)
+def test_the_parser_fed_in_any_split_settles_the_same_pieces(text, expected):
+    _check_fed_in_splits(text, expected, lambda: CallParser(NAMES))
 
 
 def test_content_streams_before_the_call_closes_and_a_tag_start_is_held_back():
@@ -328,18 +334,7 @@ LLAMA_CASES = [
 @pytest.mark.parametrize("text,expected", LLAMA_CASES)
 def test_llama3_json_calls_whole_and_fed_in_any_split(text, expected):
     assert _summary(*split_output(text, NAMES, call_format="llama3_json")) == expected
-    rng = random.Random(len(text))
-    splits = [[text[i:i + 1] for i in range(len(text))]]
-    for _ in range(10):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
-        splits.append([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
-    for parts in splits:
-        parser = JsonCallParser(NAMES)
-        pieces = [p for part in parts for p in parser.feed(part)] + parser.finish()
-        content = "".join(p.text for p in pieces if isinstance(p, Content))
-        calls = [p for p in pieces if isinstance(p, ToolCall)]
-        got = _summary((content.rstrip() or None) if calls else content, calls)
-        assert got == expected, parts
+    _check_fed_in_splits(text, expected, lambda: JsonCallParser(NAMES), rounds=10)
 
 
 def test_llama3_json_text_streams_at_once_and_a_call_is_held_to_the_end():
