@@ -57,9 +57,31 @@ NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_MODES = ("none", "auto", "required")
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
-CALL_FORMATS = (HERMES, LLAMA3_JSON)
+CALL_FORMATS = (HERMES, LLAMA3_JSON)  # FORMATS (end of the module) holds what each one is
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x: may open a call (its built-in tools' marker)
-LLAMA3_SEPARATOR = "; "  # between parallel Llama 3.x calls
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How a model writes a tool call: ``opening`` {"name": ..., ``key``: {arguments}}
+    ``closing``, calls ``separator`` apart; ``trigger`` starts a call inside free text (strict
+    "auto"), ``parser`` finds calls in the output (CallParser / JsonCallParser), ``how`` tells
+    the model the format in router/tools.py's own prompt."""
+
+    opening: str
+    closing: str
+    key: str
+    separator: str
+    trigger: str
+    parser: type
+    how: str
+
+    def ends(self, name: str) -> tuple[str, str]:
+        """The text of a call of ``name`` before its arguments object, and after it."""
+        return f'{self.opening}{{"name": {json.dumps(name)}, "{self.key}": ', "}" + self.closing
+
+    def write(self, name: str, arguments) -> str:
+        return f"{self.opening}{json.dumps({'name': name, self.key: arguments})}{self.closing}"
 
 
 @dataclass(frozen=True)
@@ -115,10 +137,13 @@ class ToolRequest:
     def names(self) -> set[str]:
         return {t.name for t in self.tools}
 
+    @property
+    def fmt(self) -> CallFormat:
+        return FORMATS[self.call_format]
+
     def parser(self) -> CallParser | JsonCallParser:
         """A streaming parser of this request's calls in its format."""
-        cls = JsonCallParser if self.call_format == LLAMA3_JSON else CallParser
-        return cls(self.names(), not self.parallel)
+        return self.fmt.parser(self.names(), not self.parallel)
 
     def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole output as (content, calls) (split_output in this request's format)."""
@@ -132,14 +157,13 @@ class ToolRequest:
         if self.mode not in ("required", "named"):
             return None
         tools = [t for t in self.tools if self.mode == "required" or t.name == self.name]
-        between = LLAMA3_SEPARATOR if self.call_format == LLAMA3_JSON else "\n"
         lines = ["start: " + ("call" if self.mode == "named" or not self.parallel
-                              else f"call ({json.dumps(between)} call)*"),
+                              else f"call ({json.dumps(self.fmt.separator)} call)*"),
                  "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
         for i, tool in enumerate(tools):
             # bounded JSON whitespace as response_format's (a schema's own x-guidance wins)
             schema = {"x-guidance": JSON_DEFAULTS, **json.loads(tool.parameters)}
-            begin, end = _call_ends(tool.name, self.call_format)
+            begin, end = self.fmt.ends(tool.name)
             lines += [f"call_{i}: {json.dumps(begin)} args_{i} {json.dumps(end)}",
                       f"args_{i}: %json {json.dumps(schema)}"]
         return StructuredOutput("lark_grammar", "\n".join(lines) + "\n")
@@ -150,22 +174,14 @@ class ToolRequest:
         object for the others): llguidance's structural tags (a lazy trigger, then the call's
         grammar)."""
         from llguidance import StructTag
-        trigger = '{"name": ' if self.call_format == LLAMA3_JSON else CALL_OPEN
         tags = []
         for t in self.tools:
-            begin, end = _call_ends(t.name, self.call_format)
+            begin, end = self.fmt.ends(t.name)
             tags.append(StructTag(
-                trigger=trigger, begin=begin, end=end,
+                trigger=self.fmt.trigger, begin=begin, end=end,
                 grammar={"x-guidance": JSON_DEFAULTS,
                          **(json.loads(t.parameters) if t.strict else {"type": "object"})}))
         return StructuredOutput("lark_grammar", StructTag.to_grammar(tags, assume_special=False))
-
-
-def _call_ends(name: str, call_format: str) -> tuple[str, str]:
-    """The text of a call of ``name`` before its arguments object, and after it."""
-    if call_format == LLAMA3_JSON:
-        return f'{{"name": {json.dumps(name)}, "parameters": ', "}"
-    return f'{CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ', f"}}\n{CALL_CLOSE}"
 
 
 def with_tools(sampling: SamplingOptions, tools: ToolRequest | None,
@@ -341,25 +357,17 @@ def render_native(messages: list[dict], turns) -> list[dict]:
 
 def format_call(call: ToolCall, call_format: str = HERMES) -> str:
     """A call in the format the model writes it."""
-    args = _arguments_object(call.arguments)
-    if call_format == LLAMA3_JSON:
-        return json.dumps({"name": call.name, "parameters": args})
-    return f"{CALL_OPEN}\n{json.dumps({'name': call.name, 'arguments': args})}\n{CALL_CLOSE}"
+    return FORMATS[call_format].write(call.name, _arguments_object(call.arguments))
 
 
 def tools_system_text(tools: tuple[Tool, ...], call_format: str = HERMES) -> str:
     listing = "\n".join(json.dumps(t.as_openai()) for t in tools)
-    if call_format == LLAMA3_JSON:
-        how = ("To call a function, answer with only a JSON object of its name and arguments, "
-               'several separated by "; ":\n'
-               '{"name": <function-name>, "parameters": <args-json-object>}\n')
-    else:
-        how = ("To call a function, answer with a JSON object of its name and arguments inside "
-               "<tool_call></tool_call> tags, one block for each call:\n"
-               f'{CALL_OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n'
-               f"{CALL_CLOSE}\n")
+    fmt = FORMATS[call_format]
+    example = f'{fmt.opening}{{"name": <function-name>, "{fmt.key}": <args-json-object>}}' \
+              f"{fmt.closing}"
     return ("You can call functions. Their signatures, as JSON Schema, are inside <tools></tools>:"
-            f"\n<tools>\n{listing}\n</tools>\n{how}"
+            f"\n<tools>\n{listing}\n</tools>\nTo call a function, answer with {fmt.how}:\n"
+            f"{example}\n"
             "A function's result comes back inside <tool_response></tool_response> tags.")
 
 
@@ -372,8 +380,8 @@ def render_fallback(messages: list[dict], turns, tools: ToolRequest | None,
     for message, turn in zip(messages, turns):
         content = message["content"]
         if turn.tool_calls:
-            separator = LLAMA3_SEPARATOR if call_format == LLAMA3_JSON else "\n"
-            calls = separator.join(format_call(c, call_format) for c in turn.tool_calls)
+            calls = FORMATS[call_format].separator.join(format_call(c, call_format)
+                                                         for c in turn.tool_calls)
             content = f"{content}\n{calls}" if content else calls
         if turn.role == "tool":
             content = f"<tool_response>\n{content}\n</tool_response>"
@@ -545,10 +553,20 @@ def split_output(text: str, names: set[str], first_only: bool = False,
                  call_format: str = HERMES) -> tuple[str | None, list[ToolCall]]:
     """A whole output as (content, calls): with calls, content is the text outside them less
     its trailing whitespace, None when that leaves nothing."""
-    parser = (JsonCallParser if call_format == LLAMA3_JSON else CallParser)(names, first_only)
+    parser = FORMATS[call_format].parser(names, first_only)
     pieces = parser.feed(text) + parser.finish()
     content = "".join(p.text for p in pieces if isinstance(p, Content))
     calls = [p for p in pieces if isinstance(p, ToolCall)]
     if calls:  # whitespace after the last text is the calls' layout, not content
         return content.rstrip() or None, calls
     return content, calls
+
+
+FORMATS = {
+    HERMES: CallFormat(f"{CALL_OPEN}\n", f"\n{CALL_CLOSE}", "arguments", "\n", CALL_OPEN,
+                       CallParser, "a JSON object of its name and arguments inside "
+                                   "<tool_call></tool_call> tags, one block for each call"),
+    LLAMA3_JSON: CallFormat("", "", "parameters", "; ", '{"name": ', JsonCallParser,
+                            'only a JSON object of its name and arguments, several separated '
+                            'by "; "'),
+}

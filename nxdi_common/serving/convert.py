@@ -1,6 +1,6 @@
 """Protobuf <-> internal types for the messages every service handles (sampling parameters, stop
-criteria, token events, prefix-cache reports). Each service's own convert module builds on these; nothing else in the
-services touches protobuf messages."""
+criteria, token events, prefix-cache reports). Each service's own convert module builds on
+these; nothing else in the services touches protobuf messages."""
 from __future__ import annotations
 
 from protos.nxdi.serving.v1 import serving_pb2 as pb
