@@ -209,7 +209,9 @@ class DecodeEngine:
                     f"{self.blocks.num_free_blocks} free of {self.blocks.num_blocks}")
             alloc = self.blocks.allocate(rid, prompt, reserve)
             seq = Sequence(job, max_tokens, alloc.block_table, alloc.num_cached_tokens,
-                           OutputText(self.tokenizer, job.stop.stop_strings), self.eos_ids, emit,
+                           OutputText(self.tokenizer, job.stop.stop_strings,
+                                      job.stop.skip_special_tokens,
+                                      job.stop.include_stop_str_in_output), self.eos_ids, emit,
                            request_generator(job.sampling.seed), constraint=constraint)
             self._live[rid] = seq
         if self.metrics is not None and not seq.scored:  # a prompt to score is computed whole

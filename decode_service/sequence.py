@@ -87,9 +87,13 @@ class Sequence:
         self.generated.append(token_id)
         if len(self.generated) == 1:
             self.first_token_ns = time.monotonic_ns()
-        text, stop_string = self.text.add(token_id,
-                                          len(self.generated) >= self.job.stop.min_tokens)
-        reason = self._stop_reason(token_id, stop_string)
+        stop_token = self._stop_token(token_id)
+        if stop_token is not None and not self.job.stop.include_stop_str_in_output:
+            text, stop_string = "", False  # the stop token's own text is left out (vLLM's rule)
+        else:
+            text, stop_string = self.text.add(token_id,
+                                              len(self.generated) >= self.job.stop.min_tokens)
+        reason = stop_token or self._stop_reason(stop_string)
         if reason is not None and reason != t.STOP_STRING:
             text += self.text.finish()  # held text; it may complete a stop string
             if self.text.stopped and reason == t.LENGTH:
@@ -105,11 +109,15 @@ class Sequence:
         self.finish_reason = t.ERROR
         self.emit(exc)
 
-    def _stop_reason(self, token_id: int, stop_string: bool) -> str | None:
+    def _stop_token(self, token_id: int) -> str | None:
+        """EOS_TOKEN or STOP_TOKEN when ``token_id`` ends the sequence as a token."""
         if token_id in self.eos_ids and not self.job.stop.ignore_eos:
             return t.EOS_TOKEN
         if token_id in self.job.stop.stop_token_ids:
             return t.STOP_TOKEN
+        return None
+
+    def _stop_reason(self, stop_string: bool) -> str | None:
         if stop_string:
             return t.STOP_STRING
         if self.constraint is not None and self.constraint.done:

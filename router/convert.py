@@ -16,7 +16,7 @@ from nxdi_common.serving.errors import InvalidRequest
 from nxdi_common.serving.types import SamplingOptions, StopOptions, TokenOutput
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
-from router.frontend import ChatTurn, RoutedRequest
+from router.frontend import ChatOptions, ChatTurn, RoutedRequest
 from router.tools import ToolCall, ToolRequest, new_call_id, parse_tools
 from router.policies import DECODE, PREFILL, WorkerLoad
 
@@ -82,6 +82,21 @@ def generate_tools(req: pb.GenerateRequest) -> ToolRequest | None:
         field = re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", field)
         field = field.replace("tool_choice.function.name", "tool_choice.function")
         raise InvalidRequest(field, str(exc).split(": ", 1)[1]) from None
+
+
+def chat_options(req: pb.GenerateRequest) -> ChatOptions:
+    """The chat rendering fields (add_generation_prompt, continue_final_message,
+    chat_template_kwargs_json), checked."""
+    kwargs = None
+    if req.chat_template_kwargs_json:
+        try:
+            kwargs = json.loads(req.chat_template_kwargs_json)
+        except ValueError as exc:
+            raise InvalidRequest("chat_template_kwargs_json", f"is not valid JSON: {exc}") \
+                from None
+    return ChatOptions.checked(
+        req.add_generation_prompt if req.HasField("add_generation_prompt") else None,
+        req.continue_final_message, kwargs, "chat_template_kwargs_json")
 
 
 def generate_options(req: pb.GenerateRequest) -> tuple[SamplingOptions, StopOptions]:

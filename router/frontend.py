@@ -66,6 +66,45 @@ class RoutedRequest:
     stop: StopOptions
 
 
+# apply_chat_template arguments the server sets itself: a request's chat_template_kwargs may not
+# name them (messages, tools and the generation prompt have request fields of their own)
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding",
+    "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered (vLLM's chat parameters): the assistant generation prompt
+    after the last message, or (``continue_final_message``) the last message, an assistant's,
+    left open for the answer to continue; ``template_kwargs`` are extra variables for the chat
+    template (e.g. Qwen3's ``enable_thinking``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def checked(cls, add_generation_prompt: bool | None, continue_final_message: bool | None,
+                template_kwargs, kwargs_field: str = "chat_template_kwargs") -> ChatOptions:
+        """From a request's fields (None: the default); raises InvalidRequest naming the field."""
+        cont = bool(continue_final_message)
+        gen = (not cont) if add_generation_prompt is None else add_generation_prompt
+        if cont and gen:
+            raise InvalidRequest("continue_final_message", "cannot be true with "
+                                 "add_generation_prompt true (set add_generation_prompt false)")
+        if template_kwargs is None:
+            template_kwargs = {}
+        if not isinstance(template_kwargs, dict):
+            raise InvalidRequest(kwargs_field, "must be an object of template variables")
+        for key in template_kwargs:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise InvalidRequest(f"{kwargs_field}.{key}", "is set by the server, not by "
+                                     "chat_template_kwargs (use the request's own field)")
+        return cls(gen, cont, tuple(sorted(template_kwargs.items())))
+
+
 def new_request_id() -> str:
     """A fresh unique request id (uuid4, hex)."""
     return uuid.uuid4().hex
@@ -120,19 +159,26 @@ class ModelFrontend:
 
     def encode_chat(self, turns: list[ChatTurn], field_name: str = "messages",
                     tools: ToolRequest | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
-        """Apply the model's chat template (with the assistant generation prompt), tokenize;
-        with ``tools`` (and in any case for earlier tool calls and results) as router/tools.py
-        says: through the template where it renders tools, else written into the messages."""
+                    options: ChatOptions = ChatOptions()) -> list[int]:
+        """Apply the model's chat template as ``options`` say (by default with the assistant
+        generation prompt), tokenize; with ``tools`` (and in any case for earlier tool calls
+        and results) as router/tools.py says: through the template where it renders tools,
+        else written into the messages."""
         if not turns:
             raise InvalidRequest(field_name, "must contain at least one message")
+        if options.continue_final_message and turns[-1].role != "assistant":
+            raise InvalidRequest("continue_final_message", f"needs an assistant message last "
+                                 f"in {field_name} (the one to continue), got "
+                                 f"{turns[-1].role!r}")
         for i, turn in enumerate(turns):
             if turn.role not in CHAT_ROLES:
                 raise InvalidRequest(f"{field_name}[{i}].role",
                                      f"must be one of {list(CHAT_ROLES)}, got {turn.role!r}")
         messages = [{"role": "system" if t.role == "developer" else t.role, "content": t.content}
                     for t in turns]
-        extra = {}
+        extra = dict(options.template_kwargs)
+        if options.continue_final_message:
+            extra["continue_final_message"] = True
         if self.native_tools:
             messages = render_native(messages, turns)
             if tools is not None and tools.in_prompt:
@@ -141,7 +187,8 @@ class ModelFrontend:
             messages = render_fallback(messages, turns, tools, self.tool_call_format)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+                messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                **extra)
         except Exception as exc:  # noqa: BLE001 - a template refusing the conversation
             raise InvalidRequest(field_name, f"the chat template refused it: {exc}") from exc
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -153,8 +200,13 @@ class ModelFrontend:
     # --- the one validation path ---------------------------------------------------------
 
     def prepare(self, prompt_ids: list[int], sampling: SamplingOptions, stop: StopOptions,
-                prompt_field: str = "prompt", request_id: str = "") -> RoutedRequest:
-        """Validate everything and resolve max_tokens; raises InvalidRequest naming the field."""
+                prompt_field: str = "prompt", request_id: str = "",
+                truncate_prompt_tokens: int | None = None) -> RoutedRequest:
+        """Validate everything and resolve max_tokens; raises InvalidRequest naming the field.
+        ``truncate_prompt_tokens`` (vLLM's): keep only the prompt's last that many tokens (-1:
+        the context length's worth)."""
+        if truncate_prompt_tokens is not None:
+            prompt_ids = self.truncated(prompt_ids, truncate_prompt_tokens)
         sampling.validate()
         stop.validate()
         _check_stop_ids(stop, self.limits)
@@ -164,6 +216,16 @@ class ModelFrontend:
         stop = replace(stop, max_tokens=max_tokens).validate()  # min_tokens within what is left
         return RoutedRequest(request_id or new_request_id(), tuple(prompt_ids), sampling, stop)
 
+
+    def truncated(self, prompt_ids: list[int], keep: int) -> list[int]:
+        """The last ``keep`` tokens of the prompt (-1: max_model_len)."""
+        limit = self.limits.max_model_len
+        if isinstance(keep, bool) or not isinstance(keep, int) or not (
+                keep == -1 or 1 <= keep <= limit):
+            raise InvalidRequest("truncate_prompt_tokens", f"must be -1 (the context length) or "
+                                 f"an integer in [1, {limit}], got {keep!r}")
+        keep = limit if keep == -1 else keep
+        return list(prompt_ids[-keep:])
 
     async def check_structured(self, sampling: SamplingOptions, field_name: str) -> None:
         """Refuse (InvalidRequest naming field_name) a structured output that does not compile,

@@ -18,7 +18,7 @@ import grpc
 from nxdi_common.serving.errors import InvalidRequest
 from router import convert
 from router.dispatch import Dispatcher
-from router.frontend import ModelFrontend, RoutedRequest
+from router.frontend import ChatOptions, ModelFrontend, RoutedRequest
 from router.policies import DECODE
 from router.tools import ToolRequest, with_tools
 
@@ -32,14 +32,20 @@ def routed_from_proto(req, frontend: ModelFrontend,
     sampling, stop = convert.generate_options(req)
     if tools is not None and kind != "chat":
         raise InvalidRequest("tools", "only with chat input")
+    options = convert.chat_options(req)
+    if kind != "chat" and options != ChatOptions():
+        raise InvalidRequest("continue_final_message" if req.continue_final_message else
+                             "add_generation_prompt" if req.HasField("add_generation_prompt")
+                             else "chat_template_kwargs_json", "only with chat input")
     sampling = with_tools(sampling, tools, "sampling.structured_output")
     if kind == "prompt":
         ids = frontend.encode_text(value)
     elif kind == "chat":
-        ids = frontend.encode_chat(value, "chat", tools)
+        ids = frontend.encode_chat(value, "chat", tools, options)
     else:
         ids = value
-    return frontend.prepare(ids, sampling, stop, kind, req.request_id)
+    truncate = req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None
+    return frontend.prepare(ids, sampling, stop, kind, req.request_id, truncate)
 
 
 class RouterServicer(convert.RouterServicerBase):

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from nxdi_common.serving.errors import InvalidRequest
 from nxdi_common.serving.types import (MAX_TOP_LOGPROBS, SamplingOptions, StopOptions,
                                        StructuredOutput)
-from router.frontend import ChatTurn, ModelFrontend, RoutedRequest
+from router.frontend import ChatOptions, ChatTurn, ModelFrontend, RoutedRequest
 from router.tools import ToolRequest, parse_tools, with_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -74,6 +74,11 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's: keep only the prompt's last N tokens; special tokens' text in the output; the
+    # stop string or stop token that ended the output kept at its end
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     # OpenAI's text / json_object / json_schema, on both endpoints (as vLLM), and vLLM's
     # structured_outputs extension ({"json" | "regex" | "choice" | "grammar": ...})
     response_format: dict | None = None
@@ -166,6 +171,10 @@ class ChatRequest(_Common):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat parameters (router.frontend.ChatOptions)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -177,7 +186,9 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessageIn] | None = None
     tools: Any = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict | None = None
     return_token_strs: bool = False
 
 
@@ -195,15 +206,17 @@ def tokenize(body: TokenizeRequest, frontend: ModelFrontend) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("prompt", "give exactly one of prompt or messages")
     if body.prompt is not None:
-        if body.tools is not None:
-            raise InvalidRequest("tools", "only with messages")
+        for name in ("tools", "add_generation_prompt", "continue_final_message",
+                     "chat_template_kwargs"):
+            if getattr(body, name) is not None:
+                raise InvalidRequest(name, "only with messages")
         ids = frontend.encode_text(body.prompt, body.add_special_tokens is not False)
     else:
         if body.add_special_tokens:
             raise InvalidRequest("add_special_tokens", "only with prompt (the chat template "
                                                        "writes a conversation's special tokens)")
         tools = parse_tools(body.tools, None, None)
-        ids = frontend.encode_chat(chat_turns(body), "messages", tools, body.add_generation_prompt)
+        ids = frontend.encode_chat(chat_turns(body), "messages", tools, chat_options(body))
     reply = {"count": len(ids), "max_model_len": frontend.limits.max_model_len, "tokens": ids}
     if body.return_token_strs:
         reply["token_strs"] = frontend.tokenizer.convert_ids_to_tokens(ids)
@@ -250,7 +263,9 @@ def _stop_options(body: _Common, max_tokens: int | None) -> StopOptions:
     strings = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     return StopOptions(max_tokens=max_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
                        stop_strings=strings, ignore_eos=bool(body.ignore_eos),
-                       min_tokens=body.min_tokens or 0)
+                       min_tokens=body.min_tokens or 0,
+                       skip_special_tokens=body.skip_special_tokens is not False,
+                       include_stop_str_in_output=bool(body.include_stop_str_in_output))
 
 
 def _prompt_logprobs(body: _Common, implied: int | None = None) -> int | None:
@@ -415,7 +430,7 @@ def completion_to_routed(body: CompletionRequest, frontend: ModelFrontend,
     stop.validate()
     prompt = body.prompt if prompt is None else prompt
     ids = frontend.encode_text(prompt) if isinstance(prompt, str) else prompt
-    return frontend.prepare(ids, sampling, stop, field, request_id)
+    return frontend.prepare(ids, sampling, stop, field, request_id, body.truncate_prompt_tokens)
 
 
 def chat_tools(body: ChatRequest) -> ToolRequest | None:
@@ -427,6 +442,13 @@ def chat_turns(body: ChatRequest | TokenizeRequest) -> list[ChatTurn]:
     """The messages as chat turns; tool_calls and tool_call_id checked."""
     return [ChatTurn.checked(m.role, m.content, m.tool_calls, m.tool_call_id, f"messages[{i}]")
             for i, m in enumerate(body.messages)]
+
+
+def chat_options(body: ChatRequest | TokenizeRequest) -> ChatOptions:
+    """How the request's messages are rendered (generation prompt, final message continued,
+    template variables), checked."""
+    return ChatOptions.checked(body.add_generation_prompt, body.continue_final_message,
+                               body.chat_template_kwargs)
 
 
 def chat_to_routed(body: ChatRequest, frontend: ModelFrontend, request_id: str = "",
@@ -446,8 +468,9 @@ def chat_to_routed(body: ChatRequest, frontend: ModelFrontend, request_id: str =
         stop = _stop_options(body, max_tokens)
         sampling.validate()
         stop.validate()
-        ids = frontend.encode_chat(chat_turns(body), "messages", tools)
-        return frontend.prepare(ids, sampling, stop, "messages", request_id)
+        ids = frontend.encode_chat(chat_turns(body), "messages", tools, chat_options(body))
+        return frontend.prepare(ids, sampling, stop, "messages", request_id,
+                                body.truncate_prompt_tokens)
     except InvalidRequest as exc:
         if exc.field == "max_tokens" and field != exc.field:
             raise InvalidRequest(field, str(exc).split(": ", 1)[1]) from None

@@ -428,3 +428,169 @@ def test_n_choices_share_one_prefill(router, http):
     streamed, usage = stream(http, prompt=ids, n=3, max_tokens=6, temperature=0)
     assert streamed == {0: single, 1: single, 2: single}
     assert usage["completion_tokens"] == 18
+
+
+# --- vLLM's detokenization, truncation and chat-rendering parameters ---------------------------
+
+
+def grpc_generate(router, **fields):
+    """Router.Generate over gRPC with PROMPT's ids (unless given): its events."""
+    import grpc
+
+    from protos.nxdi.serving.v1 import serving_pb2 as pb
+    from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
+    fields.setdefault("prompt_token_ids", pb.TokenIds(ids=PROMPT))
+    with grpc.insecure_channel(router.grpc) as channel:
+        return list(pb_grpc.RouterStub(channel).Generate(pb.GenerateRequest(**fields),
+                                                         timeout=60))
+
+
+def test_stop_strings_and_stop_tokens_leave_the_text_as_vllm_does(router, http):
+    """A stop string ends the text before it, or with include_stop_str_in_output after it; a
+    stop token (stop_token_ids) is the last token, its text left out unless
+    include_stop_str_in_output (vLLM's rule); on HTTP and gRPC alike."""
+    from protos.nxdi.serving.v1 import serving_pb2 as pb
+    seeded = pb.SamplingParams(temperature=1.0, seed=11)  # the tiny model's greedy text repeats
+    events = grpc_generate(router, sampling=seeded,
+                           stop=pb.StopCriteria(max_tokens=12, ignore_eos=True))
+    ids, texts = [e.token_id for e in events], [e.text for e in events]
+    full = "".join(texts)
+    assert full == post(http, temperature=1.0, seed=11)["choices"][0]["text"]
+    # the first token id that does not occur before it, at least 3 tokens in
+    at = next(i for i in range(3, 12) if ids[i] not in ids[:i] and texts[i])
+    cut = post(http, temperature=1.0, seed=11, stop_token_ids=[ids[at]])
+    assert cut["usage"]["completion_tokens"] == at + 1
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["text"] == "".join(texts[:at])
+    kept = post(http, temperature=1.0, seed=11, stop_token_ids=[ids[at]], include_stop_str_in_output=True)
+    assert kept["choices"][0]["text"] == "".join(texts[:at + 1])
+    # a stop string: a piece of the answer's text after its first few characters
+    start = len("".join(texts[:3]))
+    stop = full[start:start + 3].strip() or full[start:start + 3]
+    index = full.find(stop)
+    assert post(http, temperature=1.0, seed=11, stop=[stop])["choices"][0]["text"] == full[:index]
+    assert post(http, temperature=1.0, seed=11, stop=[stop], include_stop_str_in_output=True)[
+        "choices"][0]["text"] == full[:index + len(stop)]
+    over_grpc = grpc_generate(router, sampling=seeded, stop=pb.StopCriteria(
+        max_tokens=12, ignore_eos=True, stop_strings=[stop], include_stop_str_in_output=True))
+    assert "".join(e.text for e in over_grpc) == full[:index + len(stop)]
+
+
+def test_skip_special_tokens_false_shows_special_tokens_but_not_the_eos_that_ends(http):
+    """logit_bias forces <|im_start|> (id 1): its text is left out by default and shown with
+    skip_special_tokens false; an answer ended by EOS (<|im_end|>, id 2) leaves the EOS out
+    even then, and keeps it with include_stop_str_in_output."""
+    forced = dict(temperature=0, max_tokens=3, logit_bias={"1": 100})
+    assert post(http, **forced)["choices"][0]["text"] == ""
+    assert post(http, **forced, skip_special_tokens=False)["choices"][0]["text"] == \
+        "<|im_start|>" * 3
+    eos = dict(temperature=0, max_tokens=5, ignore_eos=False, logit_bias={"2": 100},
+               skip_special_tokens=False)
+    ended = post(http, **eos)
+    assert ended["usage"]["completion_tokens"] == 1 and ended["choices"][0]["text"] == ""
+    assert post(http, **eos, include_stop_str_in_output=True)["choices"][0]["text"] == \
+        "<|im_end|>"
+    bad = httpx.post(f"http://{http}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "hi", "skip_special_tokens": "no"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "skip_special_tokens"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(router, http):
+    """truncate_prompt_tokens 3: the prompt's last 3 tokens are what is prefilled (usage, and
+    the same greedy answer as those 3 tokens sent alone); out of range is refused by name."""
+    import grpc
+
+    from protos.nxdi.serving.v1 import serving_pb2 as pb
+    cut = post(http, temperature=0, truncate_prompt_tokens=3)
+    assert cut["usage"]["prompt_tokens"] == 3
+    assert cut["choices"][0]["text"] == post(http, temperature=0, prompt=PROMPT[-3:])[
+        "choices"][0]["text"] != post(http, temperature=0)["choices"][0]["text"]
+    assert post(http, temperature=0, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == \
+        len(PROMPT)
+    reply = chat(http, messages=[{"role": "user", "content": "hello there"}], max_tokens=2,
+                 truncate_prompt_tokens=4).json()
+    assert reply["usage"]["prompt_tokens"] == 4
+    events = grpc_generate(router, truncate_prompt_tokens=2, stop=pb.StopCriteria(max_tokens=2))
+    assert events[-1].usage.prompt_tokens == 2
+    for value in (0, -2, MAX_LEN + 1, True):
+        bad = httpx.post(f"http://{http}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "hi", "truncate_prompt_tokens": value})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == \
+            "truncate_prompt_tokens", (value, bad.text)
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_generate(router, truncate_prompt_tokens=0)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "truncate_prompt_tokens" in info.value.details()
+
+
+def tokenize(http, **body):
+    return httpx.post(f"http://{http}/tokenize", timeout=60, json={"model": "tiny", **body})
+
+
+def test_continue_final_message_leaves_the_assistant_message_open(router, http, tiny_chat_model):
+    """continue_final_message: the prompt ends with the last assistant message's text (no
+    end-of-turn after it, no new generation prompt), on /tokenize, chat completions and gRPC
+    alike; conflicting or impossible settings are refused by name."""
+    from transformers import AutoTokenizer
+
+    from protos.nxdi.serving.v1 import serving_pb2 as pb
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
+    messages = [{"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "The colour is"}]
+    open_ids = tokenize(http, messages=messages, continue_final_message=True).json()["tokens"]
+    closed_ids = tokenize(http, messages=messages, add_generation_prompt=False).json()["tokens"]
+    assert tokenizer.decode(open_ids).endswith("The colour is")
+    assert tokenizer.decode(closed_ids).endswith("The colour is<|im_end|>\n")
+    assert closed_ids[:len(open_ids)] == open_ids
+    reply = chat(http, messages=messages, continue_final_message=True,
+                 add_generation_prompt=False, max_tokens=2).json()
+    assert reply["usage"]["prompt_tokens"] == len(open_ids)
+    events = grpc_chat(router, messages=[pb.ChatMessage(**m) for m in messages],
+                       continue_final_message=True, stop=pb.StopCriteria(max_tokens=2))
+    assert events[-1].usage.prompt_tokens == len(open_ids)
+    both = chat(http, messages=messages, continue_final_message=True, add_generation_prompt=True)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    user_last = chat(http, messages=messages[:1], continue_final_message=True)
+    assert user_last.status_code == 400
+    assert user_last.json()["error"]["param"] == "continue_final_message"
+    assert tokenize(http, prompt="hi", continue_final_message=True).json()["error"][
+        "param"] == "continue_final_message"
+
+
+def test_chat_template_kwargs_reach_the_template(router, http, tiny_chat_model):
+    """chat_template_kwargs are variables of the chat template (a Qwen3-like enable_thinking
+    switch in a template of our own); the router's own arguments cannot be set through them;
+    over HTTP (the bundled template ignores unknown variables) and gRPC they are checked."""
+    import grpc
+
+    from nxdi_common.serving.worker import ModelOptions
+    from protos.nxdi.serving.v1 import serving_pb2 as pb
+    from router.frontend import ChatOptions, ChatTurn, ModelFrontend
+    frontend = ModelFrontend.from_options(ModelOptions(model=str(tiny_chat_model),
+                                                       max_model_len=MAX_LEN))
+    frontend.tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<no_think>{% endif %}")
+    turns = [ChatTurn("user", "hi")]
+    plain = frontend.tokenizer.decode(frontend.encode_chat(turns))
+    off = frontend.tokenizer.decode(frontend.encode_chat(turns, options=ChatOptions.checked(
+        None, None, {"enable_thinking": False})))
+    assert plain == "<user>hi<assistant>" and off == "<user>hi<assistant><no_think>"
+    messages = [{"role": "user", "content": "hi"}]
+    ok = chat(http, messages=messages, max_tokens=1, chat_template_kwargs={"enable_thinking": 0})
+    assert ok.status_code == 200, ok.text
+    for kwargs, param in (({"add_generation_prompt": False},
+                           "chat_template_kwargs.add_generation_prompt"),
+                          ({"tools": []}, "chat_template_kwargs.tools"),
+                          ([1], "chat_template_kwargs")):
+        bad = chat(http, messages=messages, chat_template_kwargs=kwargs)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    for text, param in (("{", "chat_template_kwargs_json"),
+                        ('{"tokenize": true}', "chat_template_kwargs_json.tokenize")):
+        with pytest.raises(grpc.RpcError) as info:
+            grpc_chat(router, chat_template_kwargs_json=text)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert param in info.value.details(), info.value.details()
+    assert grpc_chat(router, chat_template_kwargs_json='{"enable_thinking": false}',
+                     stop=pb.StopCriteria(max_tokens=1))[-1].usage.prompt_tokens > 0

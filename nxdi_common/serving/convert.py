@@ -68,13 +68,17 @@ def stop_from_proto(msg: pb.StopCriteria) -> t.StopOptions:
     return t.StopOptions(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings),
-        ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens).validate()
+        ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens,
+        skip_special_tokens=(msg.skip_special_tokens if msg.HasField("skip_special_tokens")
+                             else True),
+        include_stop_str_in_output=msg.include_stop_str_in_output).validate()
 
 
 def stop_to_proto(s: t.StopOptions) -> pb.StopCriteria:
     return pb.StopCriteria(max_tokens=s.max_tokens, stop_token_ids=s.stop_token_ids,
                            stop_strings=s.stop_strings, ignore_eos=s.ignore_eos,
-                           min_tokens=s.min_tokens)
+                           min_tokens=s.min_tokens, skip_special_tokens=s.skip_special_tokens,
+                           include_stop_str_in_output=s.include_stop_str_in_output)
 
 
 def logprobs_to_proto(items) -> list[pb.TokenLogprob]:

@@ -4,7 +4,8 @@ Decoding each token on its own breaks multi-byte characters and word-piece spaci
 token adds is the difference between decoding a short window of recent tokens with and without it;
 a delta ending in U+FFFD (an incomplete UTF-8 sequence) is held until the next token completes it.
 Stop strings: text that could still be the start of a stop string is held back, and when one
-matches, the output ends just before it."""
+matches, the output ends just before it (vLLM's ``include_stop_str_in_output``: just after it).
+``skip_special_tokens`` (default true, as vLLM's) leaves special tokens' text out."""
 from __future__ import annotations
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -44,8 +45,9 @@ class IncrementalDetokenizer:
 class StopStringMatcher:
     """Feeds text deltas through stop-string matching: returns what is safe to emit now."""
 
-    def __init__(self, stop_strings: tuple[str, ...] | list[str]):
+    def __init__(self, stop_strings: tuple[str, ...] | list[str], include_stop: bool = False):
         self._stops = tuple(s for s in stop_strings if s)
+        self._include = include_stop  # the matched string ends the text instead of being cut
         self._held = ""  # text not emitted yet: a suffix that may begin a stop string
         self.matched: str | None = None
 
@@ -62,7 +64,7 @@ class StopStringMatcher:
         if hits:
             index, self.matched = min(hits)
             self._held = ""
-            return text[:index]
+            return text[:index + len(self.matched) if self._include else index]
         keep = self._partial_suffix(text)
         self._held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]
@@ -86,9 +88,10 @@ class StopStringMatcher:
 class OutputText:
     """Detokenizer and stop strings together: ``add`` returns (text to emit, stop string hit)."""
 
-    def __init__(self, tokenizer, stop_strings=()):
-        self._detok = IncrementalDetokenizer(tokenizer)
-        self._stops = StopStringMatcher(stop_strings)
+    def __init__(self, tokenizer, stop_strings=(), skip_special_tokens: bool = True,
+                 include_stop: bool = False):
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._stops = StopStringMatcher(stop_strings, include_stop)
 
     def add(self, token_id: int, match_stops: bool = True) -> tuple[str, bool]:
         """match_stops False (before min_tokens): the text passes, no stop string can match."""

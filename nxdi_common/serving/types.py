@@ -182,6 +182,10 @@ class StopOptions:
     # vLLM's min_tokens: the first min_tokens tokens are never EOS or a stop token (their logits
     # are masked), and stop strings count from the min_tokens-th token on
     min_tokens: int = 0
+    # vLLM's: special tokens' text left out of the output; the stop string that ended it, and
+    # the stop token's (EOS or stop_token_ids) text, kept at its end
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def validate(self) -> StopOptions:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
@@ -192,6 +196,9 @@ class StopOptions:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequest("min_tokens", f"must be at most max_tokens ({self.max_tokens}), "
                                                f"got {self.min_tokens}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(name, f"must be a boolean, got {getattr(self, name)!r}")
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, "
                                          f"got {len(self.stop_strings)}")
