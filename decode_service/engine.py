@@ -57,8 +57,10 @@ up to the model's whole context: on the quickstart's 512 blocks of 16 tokens and
 context, 4 such chat requests ran and a 5th got HTTP 429 while most of the reserved blocks never
 held a token. Admission leaves one free block per live sequence for that growth and admits
 nothing while a preempted sequence waits. When a block is needed and none is free, the newest
-running sequence (maybe the one growing) is preempted: its KV is copied out to host memory, its
-blocks freed, and it waits (``nxdi_preemptions_total``); the oldest waiting one is copied back
+running sequence of the worst priority (the highest ``priority`` value; maybe the one growing) is
+preempted: its KV is copied out to host memory, its
+blocks freed, and it waits (``nxdi_preemptions_total``); the first waiting one (best priority,
+then oldest) is copied back
 into new blocks, ahead of newer sequences, as soon as they are free with the same spare and a
 batch slot is open. Its stream just pauses: the tokens are the ones it would have had (the KV is
 the same bytes, a leading prompt block still cached is shared instead). A request that could not
@@ -435,7 +437,7 @@ class DecodeEngine:
         batch = self.scheduler.next_batch()
         if self.config.reserve_max_tokens:
             return batch
-        for seq in sorted(batch, key=lambda s: s.arrival_ns):  # the oldest keep their blocks
+        for seq in sorted(batch, key=lambda s: s.wait_order):  # the first keep their blocks
             while seq.slot >= 0:
                 try:
                     with self._blocks_lock:
@@ -444,7 +446,7 @@ class DecodeEngine:
                     break
                 except OutOfBlocks:
                     self._preempt(max(self.scheduler.running.values(),
-                                      key=lambda s: s.arrival_ns))
+                                      key=lambda s: s.wait_order))
         return [seq for seq in batch if seq.slot >= 0]
 
     def _preempt(self, seq: Sequence) -> None:
@@ -457,7 +459,7 @@ class DecodeEngine:
             self.blocks.free(seq.request_id)
             seq.block_table = []
             self._swapped.append(seq)
-            self._swapped.sort(key=lambda s: s.arrival_ns)
+            self._swapped.sort(key=lambda s: s.wait_order)
         log.info("preempted %s at %d tokens: no free KV block", seq.request_id,
                  seq.next_position())
         if self.metrics is not None:
@@ -574,11 +576,11 @@ class DecodeEngine:
 
     def _local_order(self) -> list[Sequence]:
         """The waiting local prefills in the order they run (_next_local)."""
-        def key(item: tuple[int, Sequence]) -> tuple[bool, int]:
+        def key(item: tuple[int, Sequence]) -> tuple[int, bool, int]:
             index, seq = item
             left = self._prefill_left(seq)
             long = self.chunk is not None and left > self.chunk
-            return long, index if long else left
+            return seq.priority, long, index if long else left
         return [seq for _, seq in sorted(enumerate(self._local), key=key)]
 
     def _mixes(self, start: int, end: int) -> bool:

@@ -1,8 +1,9 @@
 """Continuous batching for token generation: which sequences run in the next TKG step.
 
 A sequence whose prompt KV is in place waits in ``ready`` until a batch slot (a seq_id) is free,
-then joins between two steps; finished or cancelled sequences leave and free their slot. The
-running batch never waits for a new sequence's prefill."""
+then joins between two steps (the lowest priority value first, then in the order they became
+ready); finished or cancelled sequences leave and free their slot. The running batch never waits
+for a new sequence's prefill, and a running sequence keeps its slot whatever waits."""
 from __future__ import annotations
 
 from collections import deque
@@ -39,7 +40,8 @@ class DecodeScheduler:
     def next_batch(self) -> list[Sequence]:
         """Join waiting sequences into free slots, then return the running batch by slot."""
         while self.ready and self._free_slots:
-            seq = self.ready.popleft()
+            seq = min(self.ready, key=lambda s: s.priority)  # the first of the best priority
+            self.ready.remove(seq)
             seq.slot = self._free_slots.pop()
             self.running[seq.slot] = seq
         return [self.running[s] for s in sorted(self.running)]

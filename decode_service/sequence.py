@@ -70,6 +70,16 @@ class Sequence:
         self.last_uniform = next_uniform(self.rng)
         return self.last_uniform
 
+    @property
+    def priority(self) -> int:
+        """The request's priority: lower is served first where sequences wait."""
+        return self.job.priority
+
+    @property
+    def wait_order(self) -> tuple[int, int]:
+        """Who goes first where sequences wait for a slot or blocks: priority, then age."""
+        return self.job.priority, self.arrival_ns
+
     def banned_ids(self) -> tuple[int, ...]:
         """Token ids the next token may not be: while fewer than min_tokens were generated, the
         EOS tokens (unless ignored) and the stop tokens."""

@@ -56,7 +56,7 @@ def job_from_proto(msg: serving_pb2.PrefillRequest) -> PrefillJob:
         sampling=sampling_from_proto(msg.sampling), kv_token_start=msg.kv_token_start,
         head_start=msg.head_start, head_end=msg.head_end, max_chunk_bytes=msg.max_chunk_bytes,
         accept_kv_socket=msg.accept_kv_socket,
-        banned_first=tuple(msg.banned_first_token_ids))
+        banned_first=tuple(msg.banned_first_token_ids), priority=msg.priority)
 
 
 def first_token_event(first: FirstTokenResult) -> serving_pb2.PrefillEvent:

@@ -8,7 +8,8 @@ length bucket and run on one dedicated worker thread, never on the event loop.
   oldest prompt has waited ``max_overtaken_s``, when its bucket goes next. Shortest first, a chat
   prompt waits behind the batch running, not behind every long prompt queued before it: a
   TTFT SLO is met by the many short prompts at the cost of a bounded delay to the few long ones
-  (BENCHMARKS.md, issue 4, session 25).
+  (BENCHMARKS.md, issue 4, session 25). All of this among the prompts of the best (lowest)
+  ``priority`` waiting: a prompt of a worse one waits until none of a better one does.
 - :class:`PrefillEngine` owns the model and its worker thread. Each batch runs CTE over rows
   ``0..B-1`` of the flat KV cache, samples the first tokens, copies every request's KV out of its
   cache row into the request's own tensors and so frees the rows before the next batch; the result
@@ -163,11 +164,13 @@ class PrefillScheduler:
         in the next bucket (module doc), oldest first ([] when nothing waits)."""
         if not self.waiting:
             return []
-        oldest = self.waiting[0]
+        best = min(t.job.priority for t in self.waiting)
+        waiting = [t for t in self.waiting if t.job.priority == best]
+        oldest = waiting[0]
         bucket = oldest.bucket
         if self.order == "shortest" and self.clock() - oldest.arrival_ns < self.max_overtaken_ns:
-            bucket = min(t.bucket for t in self.waiting)
-        batch = [t for t in self.waiting if t.bucket == bucket][:self.batch_limits[bucket]]
+            bucket = min(t.bucket for t in waiting)
+        batch = [t for t in waiting if t.bucket == bucket][:self.batch_limits[bucket]]
         for task in batch:
             self.waiting.remove(task)
         return batch

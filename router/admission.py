@@ -1,12 +1,13 @@
 """The router's admission queue: a request that every decode worker refused for room
 (RESOURCE_EXHAUSTED: not enough free KV blocks) waits here for its turn, first come first
-served, instead of being shed at once with HTTP 429.
+served within a priority (a request's ``priority``, lower first; all 0 unless the router runs
+with --scheduling-policy priority), instead of being shed at once with HTTP 429.
 
 Only the request at the head of the queue tries the decode workers again, when room may have
 come (a request this router sent finished, or ``retry_seconds`` passed: room freed by another
 router's requests or by a preempted sequence's return shows up on the next try); a request that
-arrives while others wait queues behind them without trying, so a stream of small requests
-cannot starve a large one. A request leaves the queue when a decode worker takes it, when
+arrives while others of its priority or a better one wait queues behind them without trying, so
+a stream of small requests cannot starve a large one. A request leaves the queue when a decode worker takes it, when
 ``timeout_seconds`` pass (then 429, as before the queue existed), or when its client goes away.
 More than ``max_waiting`` waiting requests: the next is shed at once. A decode worker's own
 admission (blocks for the prompt plus one spare per live sequence, decode_service/engine.py)
@@ -14,9 +15,10 @@ stays the one judge of room: the queue only decides who asks next."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import time
-from collections import deque
 
 from nxdi_common.serving.errors import Overloaded
 
@@ -33,7 +35,8 @@ class AdmissionQueue:
             raise ValueError(f"retry_seconds must be > 0, got {retry_seconds}")
         self.timeout_seconds, self.max_waiting = timeout_seconds, max_waiting
         self.retry_seconds = retry_seconds
-        self._tickets: deque[object] = deque()
+        self._tickets: list[tuple[int, int]] = []  # (priority, arrival number), in turn order
+        self._numbers = itertools.count()
         self._room: asyncio.Event | None = None  # set (and replaced) by notify()
 
     @property
@@ -43,6 +46,10 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return len(self._tickets)
 
+    def ahead_of(self, priority: int = 0) -> int:
+        """Requests waiting that a new one of ``priority`` would queue behind."""
+        return bisect.bisect_right(self._tickets, (priority, float("inf")))
+
     def notify(self) -> None:
         """Room may have come (a request finished): wake the waiting requests."""
         if self._room is not None:
@@ -50,14 +57,15 @@ class AdmissionQueue:
             self._room = None
 
     @contextlib.asynccontextmanager
-    async def place(self):
-        """Join the queue's tail (Overloaded when max_waiting wait already); leaving the block
-        leaves the queue, and the next request's turn comes at once."""
+    async def place(self, priority: int = 0):
+        """Join the queue behind every request of ``priority`` or a lower value (Overloaded when
+        max_waiting wait already); leaving the block leaves the queue, and the next request's
+        turn comes at once."""
         if len(self._tickets) >= self.max_waiting:
             raise Overloaded(f"every decode worker is full and {len(self._tickets)} requests "
                              f"already wait for room (--max-queued-requests)")
-        ticket = object()
-        self._tickets.append(ticket)
+        ticket = (priority, next(self._numbers))
+        bisect.insort(self._tickets, ticket)
         try:
             yield ticket
         finally:
@@ -76,5 +84,5 @@ class AdmissionQueue:
                 self._room = asyncio.Event()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._room.wait(), min(left, self.retry_seconds))
-            if self._tickets and self._tickets[0] is ticket and time.monotonic() < deadline:
+            if self._tickets and self._tickets[0] == ticket and time.monotonic() < deadline:
                 return True

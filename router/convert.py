@@ -131,7 +131,8 @@ def decode_request(req: RoutedRequest, prefill_candidates: list[str]) -> pb.Deco
     return pb.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids,
                             sampling=common.sampling_to_proto(req.sampling),
                             stop=common.stop_to_proto(req.stop),
-                            prefill_candidates=prefill_candidates, local_prefill_fallback=False)
+                            prefill_candidates=prefill_candidates, local_prefill_fallback=False,
+                            priority=req.priority)
 
 
 def start_generate(channel: grpc.aio.Channel, req: RoutedRequest, prefill_candidates: list[str],

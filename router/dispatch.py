@@ -208,13 +208,13 @@ class Dispatcher:
         deadline = time.monotonic() + timeout
         refused: list[str] = []
         queue = self.admission
-        if not (queue.enabled and len(queue)):  # nobody ahead: try at once
+        if not (queue.enabled and queue.ahead_of(req.priority)):  # nobody ahead: try at once
             opened = await self._try_decodes(req, deadline, refused, prefer)
             if opened is not None:
                 return opened
             if not queue.enabled:
                 raise Overloaded(f"every decode worker is full (refused by {', '.join(refused)})")
-        async with queue.place() as ticket:
+        async with queue.place(req.priority) as ticket:
             self.metrics.admission_waits_total.inc()
             waited = time.monotonic()
             while await queue.turn(ticket, min(deadline, waited + queue.timeout_seconds)):

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from nxdi_common.serving.errors import InvalidRequest, ModelNotFound
 from nxdi_common.serving.structured import GrammarCompiler
-from nxdi_common.serving.types import (ModelLimits, SamplingOptions, StopOptions, check_prompt,
-                                       check_sampling, resolve_max_tokens)
+from nxdi_common.serving.types import (ModelLimits, SamplingOptions, StopOptions,
+                                       check_priority, check_prompt, check_sampling,
+                                       resolve_max_tokens)
 from router.tools import ToolCall, ToolRequest, message_tool_calls, render_fallback, \
     render_native, template_call_format, template_renders_tools
 
@@ -64,6 +65,7 @@ class RoutedRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingOptions
     stop: StopOptions
+    priority: int = 0  # lower is served first where requests wait (types.check_priority)
 
 
 # apply_chat_template arguments the server sets itself: a request's chat_template_kwargs may not
@@ -120,6 +122,8 @@ class ModelFrontend:
         self.tokenizer = tokenizer
         self.limits = limits
         self.created = int(time.time()) if created is None else created
+        # --scheduling-policy priority: requests may carry a priority (else only 0, as vLLM)
+        self.priority_scheduling = False
         self.native_tools = template_renders_tools(tokenizer)  # else router/tools.py's prompt
         # how the model writes tool calls (router/tools.py CALL_FORMATS; --tool-call-parser)
         self.tool_call_format = template_call_format(tokenizer)
@@ -201,10 +205,14 @@ class ModelFrontend:
 
     def prepare(self, prompt_ids: list[int], sampling: SamplingOptions, stop: StopOptions,
                 prompt_field: str = "prompt", request_id: str = "",
-                truncate_prompt_tokens: int | None = None) -> RoutedRequest:
+                truncate_prompt_tokens: int | None = None, priority: int = 0) -> RoutedRequest:
         """Validate everything and resolve max_tokens; raises InvalidRequest naming the field.
         ``truncate_prompt_tokens`` (vLLM's): keep only the prompt's last that many tokens (-1:
-        the context length's worth)."""
+        the context length's worth); ``priority``: non-zero only with priority scheduling."""
+        check_priority(priority)
+        if priority and not self.priority_scheduling:
+            raise InvalidRequest("priority", f"must be 0 on this router (got {priority}): "
+                                 f"priority scheduling is off (--scheduling-policy priority)")
         if truncate_prompt_tokens is not None:
             prompt_ids = self.truncated(prompt_ids, truncate_prompt_tokens)
         sampling.validate()
@@ -214,7 +222,8 @@ class ModelFrontend:
         check_prompt(prompt_ids, self.limits, prompt_field)
         max_tokens = resolve_max_tokens(len(prompt_ids), stop, self.limits)
         stop = replace(stop, max_tokens=max_tokens).validate()  # min_tokens within what is left
-        return RoutedRequest(request_id or new_request_id(), tuple(prompt_ids), sampling, stop)
+        return RoutedRequest(request_id or new_request_id(), tuple(prompt_ids), sampling, stop,
+                             priority)
 
 
     def truncated(self, prompt_ids: list[int], keep: int) -> list[int]:

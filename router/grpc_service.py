@@ -45,7 +45,7 @@ def routed_from_proto(req, frontend: ModelFrontend,
     else:
         ids = value
     truncate = req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None
-    return frontend.prepare(ids, sampling, stop, kind, req.request_id, truncate)
+    return frontend.prepare(ids, sampling, stop, kind, req.request_id, truncate, req.priority)
 
 
 class RouterServicer(convert.RouterServicerBase):

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 << 20  # requests and token events are small; 8 MiB bounds a long prompt
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     """Where the router listens, which workers it routes to, and how."""
@@ -61,6 +64,7 @@ class RouterSettings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # router/auth.py; () = open
     cache_overlap_weight: float = 1.0  # policies.CacheAware
     cache_reports: bool = True  # ask workers for their prefix caches' changes (prefix_index)
+    scheduling_policy: str = "fcfs"  # "priority": requests' priority orders every wait
 
     def __post_init__(self):
         _ = self.make_policy()  # ValueError naming the policy or its weight when bad
@@ -72,6 +76,9 @@ class RouterSettings:
                              f"got {self.shutdown_grace_seconds}")
         _ = self.local_prefill  # ValueError naming the field when a local_prefill_* is bad
         _ = self.admission  # likewise for the queue's settings
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f", got {self.scheduling_policy!r}")
 
     def make_policy(self):
         """A fresh instance of the configured routing policy."""
@@ -133,6 +140,7 @@ class RunningRouter:
     async def start(cls, frontend: ModelFrontend, settings: RouterSettings,
                     metrics: ServingMetrics | None = None) -> RunningRouter:
         """Poll the workers once, then start the gRPC and HTTP servers."""
+        frontend.priority_scheduling = settings.scheduling_policy == "priority"
         registry = Registry({PREFILL: settings.prefill, DECODE: settings.decode},
                             {PREFILL: settings.prefill_dns, DECODE: settings.decode_dns},
                             settings.poll_timeout_seconds, cache_reports=settings.cache_reports)
@@ -240,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "once)")
     g.add_argument("--max-queued-requests", type=int, default=RouterSettings.max_queued_requests,
                    help="requests that may wait for room at once; the next is refused at once")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                   default=RouterSettings.scheduling_policy,
+                   help="fcfs (default): first come first served, a request's priority must be "
+                        "0; priority: requests carry vLLM's priority (lower first), which orders "
+                        "the admission queue and the workers' queues, batch slots and "
+                        "preemptions")
     add_local_prefill_args(p.add_argument_group("conditional disaggregation"))
     return p
 
@@ -283,7 +297,7 @@ def settings_from_args(args) -> RouterSettings:
                           args.local_prefill_queue_tokens, args.local_prefill_always_tokens,
                           args.queue_timeout_seconds, args.max_queued_requests,
                           keys_from(args.api_key), args.cache_overlap_weight,
-                          args.cache_reports)
+                          args.cache_reports, args.scheduling_policy)
 
 
 async def serve(args) -> None:

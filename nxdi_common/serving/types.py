@@ -302,6 +302,7 @@ class DecodeJob:
     stop: StopOptions = StopOptions()
     prefill_candidates: tuple[str, ...] = ()
     local_prefill_fallback: bool = False
+    priority: int = 0  # lower runs first where requests wait (check_priority)
 
 
 @dataclass(frozen=True)
@@ -317,3 +318,18 @@ class PrefillJob:
     max_chunk_bytes: int = 0  # 0: the worker's bound
     accept_kv_socket: bool = False  # the caller can take the chunks on a KV socket
     banned_first: tuple[int, ...] = ()  # the first token may not be one of these (min_tokens)
+    priority: int = 0  # lower goes first in the prefill queue (check_priority)
+
+
+PRIORITY_RANGE = (-(2 ** 31), 2 ** 31 - 1)  # int32 on the wire
+
+
+def check_priority(priority, field_name: str = "priority") -> int:
+    """vLLM's request priority: an integer, lower values served first where requests wait
+    (the router's admission queue, a prefill worker's queue, a decode worker's batch slots,
+    local prefills and preemptions); equal priorities keep their usual order."""
+    low, high = PRIORITY_RANGE
+    if isinstance(priority, bool) or not isinstance(priority, int) or not low <= priority <= high:
+        raise InvalidRequest(field_name, f"must be an integer in [{low}, {high}], got "
+                                         f"{priority!r}")
+    return priority
