@@ -85,6 +85,7 @@ from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving import types as t
 from nxdi_common.serving.errors import Overloaded
 from nxdi_common.serving.rates import PrefillRate, moving_average
+from decode_service.background_prefill import BackgroundPrefill, check_nice
 from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
 from decode_service.sequence import Sequence
 from nxdi_common.serving.sampling import (host_logits, model_global_topk, request_generator,
@@ -119,8 +120,13 @@ class EngineConfig:
     # Reserve blocks for prompt + max_tokens at admission (never preempts; fewer requests run
     # at once) instead of taking them as tokens come (module doc).
     reserve_max_tokens: bool = False
+    # Run local prefills on a thread of their own at this nice value, beside the decode steps
+    # (decode_service/background_prefill.py); None: pieces between the steps, on the compute
+    # thread (the targets above apply only then).
+    local_prefill_nice: int | None = None
 
     def __post_init__(self):
+        check_nice(self.local_prefill_nice)
         for name in ("tpot_target_s", "itl_target_s", "ttft_target_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -171,17 +177,27 @@ class DecodeEngine:
         self._local_left: dict[int, Sequence] = {}
         self.local_rate = PrefillRate()
         self._local_mark: float | None = None
+        self._background = (None if config.local_prefill_nice is None
+                            else BackgroundPrefill(self, config.local_prefill_nice))
 
     # ---- asyncio side ---------------------------------------------------------------------
 
     def start(self) -> None:
+        if self._background is not None:
+            self._background.start()
         self._done = run_loop(self._run, self._runner, "decode-engine")
 
     def stop(self) -> None:
         self._stopping = True
         self._commands.put(("stop", None))
+        if self._background is not None:
+            self._background.stop()
         if self._done is not None:
             concurrent.futures.wait([self._done], timeout=30)
+
+    def command(self, kind: str, seq, arg=None) -> None:
+        """Queue a command for the engine loop (from any thread)."""
+        self._commands.put((kind, seq, arg))
 
     def admit(self, job, max_tokens: int, emit, constraint=None) -> Sequence:
         """Reserve blocks for the prompt and its first token (module doc; with
@@ -520,20 +536,29 @@ class DecodeEngine:
             except queue.Empty:
                 return
 
-    def _apply(self, kind: str, seq: Sequence | None) -> None:
+    def _apply(self, kind: str, seq: Sequence | None, arg=None) -> None:
         if kind == "drop":
             self.scheduler.remove(seq)
             if seq in self._local:
                 self._local.remove(seq)
+            if self._background is not None and not self._background.cancel(seq):
+                return  # its piece is running: released once it is done
             self.release(seq)
         elif seq is not None and not self._is_live(seq):
             return  # dropped (or finished) before this command arrived
         elif kind == "ready" and not seq.finished:
             self.scheduler.add_ready(seq)
+        elif kind == "local" and self._background is not None:
+            self._background.submit(seq)
         elif kind == "local":
             if not self._local:
                 self._local_mark = time.perf_counter()
             self._local.append(seq)
+        elif kind == "prefilled":  # the background thread's last piece: arg is its output
+            self._piece_done(seq, seq.prompt_len, arg)
+        elif kind == "failed":  # a background piece raised arg
+            self.release(seq)
+            seq.fail(arg)
 
     def _guarded(self, fn, seqs: list[Sequence], arg) -> None:
         """Run a model step; on an exception fail its sequences (the worker keeps serving)."""
@@ -576,12 +601,18 @@ class DecodeEngine:
 
     def _local_order(self) -> list[Sequence]:
         """The waiting local prefills in the order they run (_next_local)."""
+        return self.local_order(self._local)
+
+    def local_order(self, seqs) -> list[Sequence]:
+        """``seqs`` (local prefills, a begun one first, then by arrival) in the order they run:
+        by priority, then those whose rest fits in one piece, shortest first, then the rest in
+        the order given."""
         def key(item: tuple[int, Sequence]) -> tuple[int, bool, int]:
             index, seq = item
             left = self._prefill_left(seq)
             long = self.chunk is not None and left > self.chunk
             return seq.priority, long, index if long else left
-        return [seq for _, seq in sorted(enumerate(self._local), key=key)]
+        return [seq for _, seq in sorted(enumerate(seqs), key=key)]
 
     def _mixes(self, start: int, end: int) -> bool:
         """Whether the piece [start, end) takes the decode step into its call: not when it is a
@@ -592,6 +623,10 @@ class DecodeEngine:
     def _prefill_left(self, seq: Sequence) -> int:
         """Prompt tokens the sequence's local prefill has still to compute (its order key)."""
         return seq.prompt_len - self._next_piece(seq)[0]
+
+    def next_piece(self, seq: Sequence) -> tuple[int, int]:
+        """Prompt positions [start, end) of the sequence's next whole-chunk piece."""
+        return self._next_piece(seq)
 
     def _next_piece(self, seq: Sequence, size: int | None = None) -> tuple[int, int]:
         """Prompt positions [start, end) of the sequence's next local prefill call, of at most
@@ -614,16 +649,19 @@ class DecodeEngine:
                     slot_mapping=torch.tensor([slots]), block_table=torch.tensor([seq.block_table]),
                     rand=torch.tensor([seq.draw_uniform() if end == n else 0.0]))
 
-    @torch.no_grad()
     def _prefill_piece(self, piece: tuple[Sequence, int, int]) -> None:
-        """A piece of a sequence's prompt (a model call of its own); a prompt to score
-        (prompt_logprobs) runs for every position's hidden state (forward_hidden, eager) and
-        its first token is sampled on the host as the device would (sample_row)."""
+        """A piece of a sequence's prompt (a model call of its own), then what follows it."""
         seq, start, end = piece
+        self._piece_done(seq, end, self.piece_output(seq, start, end))
+
+    @torch.no_grad()
+    def piece_output(self, seq: Sequence, start: int, end: int) -> CausalLMOutput:
+        """The model call of the prompt piece [start, end) (no engine state changed); a prompt
+        to score (prompt_logprobs) runs for every position's hidden state (forward_hidden,
+        eager) and its first token is sampled on the host as the device would (sample_row)."""
         args = self._piece_args(seq, start, end)
         if not seq.scored:
-            self._piece_done(seq, end, self.model.forward(**args))
-            return
+            return self.model.forward(**args)
         # every position's hidden state: the piece scores the prompt token after each of its
         # positions (the last piece's last position gives the first token's logits instead)
         hidden = self.model.forward_hidden(
@@ -634,7 +672,7 @@ class DecodeEngine:
                                        seq.job.sampling.prompt_logprobs)
         seq.prompt_logprobs = (*seq.prompt_logprobs, *scores)
         token = sample_row(last, seq.job.sampling, seq.last_uniform, self.global_topk)
-        self._piece_done(seq, end, CausalLMOutput(logits=last[None], tokens=torch.tensor([token])))
+        return CausalLMOutput(logits=last[None], tokens=torch.tensor([token]))
 
     @torch.no_grad()
     def _mixed_step(self, arg: tuple[tuple[Sequence, int, int], list[Sequence]]) -> None:

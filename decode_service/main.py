@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from decode_service import convert
+from decode_service.background_prefill import check_nice
 from decode_service.engine import DecodeEngine, EngineConfig
 from decode_service.kv_pull import KVPuller, PrefillChannels
 from decode_service.server import DecodeServicer
@@ -84,6 +85,13 @@ def _add_local_prefill_args(p) -> None:
                    metavar="N", help="a prompt prefilled here runs N tokens at a time, one piece "
                    "between two decode steps, so running sequences wait for one piece instead of "
                    "the whole prefill; 0: the whole prompt at once")
+    p.add_argument("--local-prefill-nice", type=int, default=None, metavar="N",
+                   help="run local prefills (short prompts the router keeps here, aggregated "
+                   "mode's prompts) on a thread of their own at OS nice N (0-19) beside the "
+                   "decode steps, which keep most of the core (nice 5: ~3/4) so that running "
+                   "streams' inter-token gaps grow by a share instead of by whole pieces "
+                   "(decode_service/background_prefill.py); default: pieces between the steps "
+                   "(the targets below apply only then)")
     p.add_argument("--tpot-target-ms", type=float, default=None, metavar="MS",
                    help="a local prefill piece waits while it would put a running sequence over "
                    "this time per output token that it would otherwise meet (e.g. the TPOT SLO); "
@@ -116,6 +124,10 @@ def build(args):
     if args.prefill_chunk_tokens < 0:
         raise SystemExit(f"--prefill-chunk-tokens must be >= 0 (0: no chunking), got "
                          f"{args.prefill_chunk_tokens}")
+    try:
+        check_nice(args.local_prefill_nice)
+    except ValueError as exc:
+        raise SystemExit(f"--local-prefill-nice: {exc}") from None
     nc = worker.decode_neuron_config(opts, args.max_batch_size, args.kv_blocks, args.block_size,
                                      args.prefill_chunk_tokens, _piece_sizes(args))
     # the model loads, and the engine loop runs, on one thread (nxdi_common/serving/compute.py)
@@ -128,7 +140,8 @@ def build(args):
                           not args.no_prefix_caching, args.split_call_cost,
                           *(None if ms is None else ms / 1000 for ms in (
                               args.tpot_target_ms, args.itl_target_ms, args.ttft_target_ms)),
-                          reserve_max_tokens=args.reserve_max_tokens)
+                          reserve_max_tokens=args.reserve_max_tokens,
+                          local_prefill_nice=args.local_prefill_nice)
     engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
                           metrics, runner=compute)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))

@@ -1,0 +1,137 @@
+"""A decode worker's local prefills on a thread of their own, beside the decode steps
+(``--local-prefill-nice N``).
+
+Inline (the default), the engine runs a local prefill's pieces on its compute thread between
+decode steps or inside them (mixed steps), so every running stream waits out each piece: a
+256-token piece holds one Zen 4 core for ~0.3 s, twenty inter-token gaps' worth, and that is
+what put session 38's p99 inter-token latency at 24x its unloaded value (BENCHMARKS.md, issue 4).
+With a nice value the pieces run here, at that OS scheduling priority, while the compute thread
+goes on stepping; the kernel shares the core between the two by weight (nice 5 leaves the
+steps ~3/4 of it, nice 10 ~9/10), so a stream's gaps grow by that share instead of by whole
+pieces, and a core with no decode step to run goes to the prefill whole. The pieces are whole
+chunks (--prefill-chunk-tokens) or whole prompts, at their full efficiency.
+
+Threads: the compute thread keeps the scheduler and every sequence's state; this thread only
+computes a sequence's prompt into the blocks admission gave it (its own model calls: the
+model's positions bookkeeping is per cache row, our kernels keep no shared scratch, the block
+manager is behind the engine's lock) and hands the last piece's output back as an engine
+command. A sequence dropped while its piece runs is released after that piece, so its blocks
+are never handed out while the piece still writes them. This thread runs torch on one thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from nxdi_common.serving.compute import use_torch_threads
+
+log = logging.getLogger(__name__)
+NICE_RANGE = (0, 19)  # an unprivileged process may only lower its threads' priority
+
+
+def check_nice(nice: int | None) -> int | None:
+    """ValueError naming the setting unless ``nice`` is None or in NICE_RANGE."""
+    low, high = NICE_RANGE
+    if nice is not None and (isinstance(nice, bool) or not isinstance(nice, int)
+                             or not low <= nice <= high):
+        raise ValueError(f"local_prefill_nice must be an integer in [{low}, {high}] (or unset: "
+                         f"pieces between the decode steps), got {nice!r}")
+    return nice
+
+
+class BackgroundPrefill:
+    """Runs the engine's local prefills, a piece at a time, the next one picked as the engine
+    orders them (engine.local_order) after every piece."""
+
+    def __init__(self, engine, nice: int):
+        self.engine, self.nice = engine, check_nice(nice)
+        self._cond = threading.Condition()
+        self._waiting: list = []  # submitted, not running now; a begun one first
+        self._current = None  # the sequence whose piece runs now
+        self._cancelled = False  # _current was dropped while its piece ran
+        self._stopping = False
+        self._mark: float | None = None  # the local rate's clock (engine._measured_local)
+        self._thread = threading.Thread(target=self._run, name="local-prefill", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def submit(self, seq) -> None:
+        with self._cond:
+            if not self._waiting and self._current is None:
+                self._mark = time.perf_counter()  # a prompt arrived to an empty queue
+            self._waiting.append(seq)
+            self._cond.notify()
+
+    def cancel(self, seq) -> bool:
+        """Forget ``seq``; True when the caller may release it now, False when its piece is
+        running (it comes back as a "drop" command once the piece is done)."""
+        with self._cond:
+            if seq is self._current:
+                self._cancelled = True
+                return False
+            if seq in self._waiting:
+                self._waiting.remove(seq)
+            return True
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._waiting) + (self._current is not None)
+
+    def _take(self):
+        """The next sequence to run a piece of (None when stopping); waits for one."""
+        with self._cond:
+            while not self._waiting and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            seq = self.engine.local_order(self._waiting)[0]
+            self._waiting.remove(seq)
+            self._current, self._cancelled = seq, False
+            return seq
+
+    def _run(self) -> None:
+        use_torch_threads(1)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        except (AttributeError, OSError) as exc:  # not Linux-like: it runs at the same priority
+            log.warning("local prefill thread: cannot set nice %d (%s)", self.nice, exc)
+        while (seq := self._take()) is not None:
+            start, end = self.engine.next_piece(seq)
+            out = error = None
+            try:
+                out = self.engine.piece_output(seq, start, end)
+            except Exception as exc:  # noqa: BLE001 - reported to the request
+                log.exception("%s: local prefill piece failed", seq.request_id)
+                error = exc
+            with self._cond:
+                self._current = None
+                cancelled = self._cancelled
+                seq.prefilled = end
+                if not cancelled and error is None and end < seq.prompt_len:
+                    self._waiting.insert(0, seq)  # begun: first among equals
+            self._measured(end - start)
+            if cancelled:
+                self.engine.command("drop", seq)
+            elif error is not None:
+                self.engine.command("failed", seq, error)
+            elif end == seq.prompt_len:
+                self.engine.command("prefilled", seq, out)
+
+    def _measured(self, tokens: int) -> None:
+        """The local rate: a piece's tokens over the wall time since the previous piece ended or
+        the queue stopped being empty (the decode steps' share of the core included)."""
+        now = time.perf_counter()
+        if self._mark is not None:
+            self.engine.local_rate.add(tokens, now - self._mark)
+        with self._cond:
+            self._mark = now if self._waiting else None

@@ -1,0 +1,175 @@
+"""A decode worker's local prefills on a thread of their own (--local-prefill-nice,
+decode_service/background_prefill.py): the running streams keep stepping while a prompt is
+prefilled beside them, every stream still gets transformers' greedy tokens, a sequence dropped
+while its piece runs is released only after that piece, and the thread runs at the nice value
+asked for; on real processes (tiny model) a disaggregated pair serves with it."""
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+import hf_reference
+from decode_service import main
+from decode_service.background_prefill import check_nice
+from hf_reference import greedy
+from nxdi_common.serving.types import DecodeJob, SamplingOptions, StopOptions
+
+BLOCK = 16
+GREEDY = SamplingOptions(temperature=0.0)
+
+
+def build(model, *extra: str):
+    args = main.parse_args(["--model", str(model), "--dtype", "float32", "--backend", "eager",
+                            "--threads", "1", "--max-model-len", "512", "--kv-blocks", "128",
+                            "--block-size", str(BLOCK), "--max-batch-size", "4",
+                            "--prefill-chunk-tokens", "32", "--local-prefill-nice", "7", *extra])
+    engine = main.build(args)[1]
+    engine._background.start()  # the engine loop itself is driven turn by turn here
+    return engine
+
+
+def admit(engine, rid: str, prompt, max_tokens: int, sink: list):
+    job = DecodeJob(rid, tuple(prompt), GREEDY, StopOptions(max_tokens, ignore_eos=True))
+    seq = engine.admit(job, max_tokens, sink.append)
+    engine.submit_local_prefill(seq)
+    return seq
+
+
+def turn_until(engine, done, seconds: float = 120) -> None:
+    end = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < end, "the engine did not get there in time"
+        engine._iterate()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model):
+    return hf_reference.load(tiny_chat_model)
+
+
+def hold_pieces(engine):
+    """Make the prompt pieces wait for the returned gate; returns (gate, entered, restore)."""
+    gate, entered = threading.Event(), threading.Event()
+    real = engine.piece_output
+
+    def held(seq, start, end):
+        entered.set()
+        assert gate.wait(30), "the piece was never let go"
+        return real(seq, start, end)
+
+    engine.piece_output = held
+    return gate, entered, lambda: setattr(engine, "piece_output", real)
+
+
+def test_streams_step_while_a_prompt_is_prefilled_beside_them(tiny_chat_model, reference):
+    """While a piece of a 200-token prompt is running (held here), the engine loop keeps
+    stepping the running stream, a token a turn (inline, the loop itself would be in the
+    piece); then the prompt's 32-token pieces finish beside it, and both streams are
+    transformers' greedy tokens."""
+    engine = build(tiny_chat_model)
+    try:
+        first, second = [], []
+        short = admit(engine, "short", [1, 504, 3458, 282, 4649, 314], 60, first)
+        turn_until(engine, lambda: len(first) >= 2)
+        gate, entered, restore = hold_pieces(engine)
+        prompt = list(range(300, 500))
+        long = admit(engine, "long", prompt, 20, second)
+        engine._iterate()  # hands the prompt to the thread
+        assert entered.wait(30)
+        before = len(first)
+        for _ in range(10):
+            engine._iterate()
+        assert len(first) == before + 10 and long.prefilled == 0
+        restore()
+        gate.set()
+        turn_until(engine, lambda: short.finished and long.finished)
+        assert [o.token_id for o in first] == greedy(reference, short.job.prompt_ids, 60)
+        assert [o.token_id for o in second] == greedy(reference, prompt, 20)
+        assert engine.blocks.num_used_blocks == 0
+        engine.blocks.check_integrity()
+        assert engine.local_rate.tokens_per_s > 0
+    finally:
+        engine.stop()
+
+
+def test_a_sequence_dropped_mid_piece_is_released_after_the_piece(tiny_chat_model):
+    engine = build(tiny_chat_model)
+    try:
+        bg = engine._background
+        gate, entered, restore = hold_pieces(engine)
+        seq = admit(engine, "gone", list(range(300, 400)), 10, [])
+        engine._iterate()  # the "local" command: handed to the thread
+        assert entered.wait(30)
+        engine.drop(seq)
+        engine._iterate()  # the drop arrives while the piece runs: nothing released yet
+        assert "gone" in engine.blocks and engine._live.get("gone") is seq
+        restore()
+        gate.set()
+        turn_until(engine, lambda: "gone" not in engine.blocks)
+        assert len(bg) == 0 and not seq.generated
+        assert engine.blocks.num_used_blocks == 0
+        engine.blocks.check_integrity()
+    finally:
+        engine.stop()
+
+
+def test_the_thread_runs_at_the_nice_value_and_bad_values_are_refused(tiny_chat_model):
+    engine = build(tiny_chat_model)
+    try:
+        tid = engine._background._thread.native_id
+        deadline = time.monotonic() + 10
+        while os.getpriority(os.PRIO_PROCESS, tid) != 7:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 7
+    finally:
+        engine.stop()
+    for bad in (-1, 20, True, 2.0):
+        with pytest.raises(ValueError, match="local_prefill_nice must be an integer in"):
+            check_nice(bad)
+    with pytest.raises(SystemExit, match="--local-prefill-nice"):
+        build(tiny_chat_model, "--local-prefill-nice", "25")
+
+
+def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(
+        spawn_module, tiny_chat_model, reference):
+    """The router keeps short prompts on the decode worker (--local-prefill-always-tokens);
+    with the thread those prefills run beside the streams of the others, and every answer is
+    transformers' greedy continuation."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+    common = ("--model", tiny_chat_model, "--dtype", "float32", "--backend", "eager",
+              "--threads", "1", "--max-model-len", 512)
+    decode = spawn_module("decode_service", *common, "--kv-blocks", 256,
+                          "--prefill-chunk-tokens", 32, "--local-prefill-nice", 5)
+    prefill = spawn_module("prefill_service", *common)
+    http = spawn_module("router", "--model", tiny_chat_model, "--max-model-len", 512,
+                        "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
+                        "--decode", decode.grpc, "--prefill", prefill.grpc,
+                        "--local-prefill-always-tokens", 256).info["http"]
+    prompts = [list(range(100 + 97 * i, 100 + 97 * i + 40 + 20 * i)) for i in range(4)]
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(f"http://{http}/v1/completions", json={
+                "model": "tiny", "prompt": p, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}) for p in prompts))
+
+    before = local_prefills(decode)
+    replies = asyncio.run(all_at_once())
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    assert local_prefills(decode) == before + len(prompts)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
+    for prompt, reply in zip(prompts, replies):
+        assert reply.json()["choices"][0]["text"] == tokenizer.decode(
+            greedy(reference, prompt, 16), skip_special_tokens=True)
+
+
+def local_prefills(service) -> float:
+    text = httpx.get(f"http://{service.info['metrics']}/metrics", timeout=10).text
+    line = next((x for x in text.splitlines()
+                 if x.startswith('nxdi_local_prefills_total{role="decode"} ')), None)
+    return 0.0 if line is None else float(line.split()[-1])
