@@ -159,6 +159,9 @@ def _local_prefill_args(g) -> None:
                    help="our decode workers size each local prefill piece beside running "
                         "sequences so that the step stays within this inter-token gap "
                         "(default: off, every piece --prefill-chunk-tokens)")
+    g.add_argument("--decode-local-prefill-nice", type=int, default=None, metavar="N",
+                   help="our decode workers run local prefills on a thread of their own at OS "
+                        "nice N beside the decode steps (default: pieces between the steps)")
     g.add_argument("--decode-ttft-target", type=float, default=None, metavar="SECONDS",
                    help="with --decode-itl-target: our decode workers make a local prefill "
                         "piece larger where waiting local prompts would otherwise miss this "
@@ -286,6 +289,7 @@ def _compare_settings(args):
                           decode_tpot_target_s=args.decode_tpot_target,
                           decode_itl_target_s=args.decode_itl_target,
                           decode_ttft_target_s=args.decode_ttft_target,
+                          decode_local_prefill_nice=args.decode_local_prefill_nice,
                           prefill_order=args.prefill_order,
                           prefill_max_overtaken_s=args.prefill_max_overtaken)
     if args.cpus:

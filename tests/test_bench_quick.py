@@ -139,6 +139,12 @@ def test_prefill_order_flags_reach_only_the_disaggregated_prefill_worker():
         "--order", "shortest", "--max-overtaken-seconds", "2"]
     assert our_launch_spec("aggregated", serve).prefill_args == []
     assert our_launch_spec("disaggregated", ServeSettings()).prefill_args == []
+    nice = cli._compare_settings(cli.build_parser().parse_args(
+        ["compare", "--decode-local-prefill-nice", "5"])).serve
+    spec = our_launch_spec("disaggregated", nice)
+    assert spec.decode_args[-2:] == ["--local-prefill-nice", "5"]
+    assert "--local-prefill-nice" not in our_launch_spec("disaggregated",
+                                                         ServeSettings()).decode_args
 
 
 def test_replicated_runs_one_decode_worker_per_cpu_and_is_not_in_the_default_set():
