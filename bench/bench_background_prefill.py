@@ -1,0 +1,107 @@
+"""Decode steps beside a prefill thread at a given nice value, in one process: what the decode
+worker's --local-prefill-nice trades (decode_service/background_prefill.py).
+
+    taskset -c 1 python bench/bench_background_prefill.py [--rows 8] [--length 256]
+                                                          [--seconds 6] [--nice 0 5 10]
+
+Loads the bundled model as a one-thread decode worker does (bf16, block KV cache, compiled,
+256-token pieces) and reports the decode step time (p50 / p90 / p99 / max) of --rows rows of
+--length cached positions: alone, then beside a thread running 256-token prompt pieces at
+each --nice value; and the prefill's tokens per second alone and beside the steps. Pin it to
+one core (taskset) to see one core shared, as a disaggregated decode worker's is."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_tkg_step as tkg  # noqa: E402
+from nxdi_common.serving.compute import use_torch_threads  # noqa: E402
+from nxdi_common.serving.worker import ModelOptions, decode_neuron_config, load_model  # noqa: E402
+
+PIECE = 256
+FIRST_BLOCK = 1500  # the prompt's blocks, away from the decode rows'
+
+
+def piece_args(start: int) -> dict:
+    """One prompt's piece [start, start + PIECE) in blocks of its own, seq_id 15."""
+    table = [FIRST_BLOCK + j for j in range(4 * PIECE // tkg.BLOCK)]
+    slots = [table[p // tkg.BLOCK] * tkg.BLOCK + p % tkg.BLOCK for p in range(start, start + PIECE)]
+    return dict(input_ids=torch.randint(100, 20000, (1, PIECE)), seq_ids=torch.tensor([15]),
+                position_ids=torch.arange(start, start + PIECE).unsqueeze(0),
+                sampling_params=torch.tensor([[1, 1.0, 1.0]]), slot_mapping=torch.tensor([slots]),
+                block_table=torch.tensor([table]), rand=torch.rand(1))
+
+
+def prefill_loop(model, nice: int | None, stop: threading.Event, pieces: list) -> None:
+    use_torch_threads(1)
+    if nice is not None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    k = 0
+    with torch.no_grad():
+        while not stop.is_set():
+            model.forward(**piece_args(PIECE * (k % 4)))
+            pieces.append(time.perf_counter())
+            k += 1
+
+
+def decode_for(model, lengths: list[int], seconds: float) -> list[float]:
+    times, end = [], time.perf_counter() + seconds
+    with torch.no_grad():
+        while time.perf_counter() < end:
+            began = time.perf_counter()
+            tkg.step(model, lengths)
+            times.append(time.perf_counter() - began)
+    return times
+
+
+def report(name: str, times: list[float], pieces: int, seconds: float) -> None:
+    steps = sorted(times)
+    def at(q):
+        return steps[min(len(steps) - 1, int(q * len(steps)))] * 1e3 if steps else float("nan")
+    print(f"{name:>16}: steps {len(steps):4d}, p50 {at(0.5):6.1f} p90 {at(0.9):6.1f} p99 "
+          f"{at(0.99):6.1f} max {at(1.0):6.1f} ms; prefill {pieces * PIECE / seconds:5.0f} tok/s",
+          flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--seconds", type=float, default=6.0)
+    p.add_argument("--nice", type=int, nargs="+", default=[0, 5, 10])
+    args = p.parse_args(argv)
+    use_torch_threads(1)
+    opts = ModelOptions(threads=1)
+    model = load_model(opts, decode_neuron_config(opts, 16, tkg.BLOCKS, tkg.BLOCK,
+                                                  prefill_chunk_tokens=PIECE))
+    lengths = [args.length] * args.rows
+    with torch.no_grad():
+        for _ in range(3):
+            tkg.step(model, lengths)
+            model.forward(**piece_args(0))
+    report("decode alone", decode_for(model, lengths, args.seconds), 0, args.seconds)
+    for nice in [None, *args.nice]:
+        stop, pieces = threading.Event(), []
+        thread = threading.Thread(target=prefill_loop, args=(model, nice, stop, pieces))
+        thread.start()
+        if nice is None:
+            time.sleep(args.seconds)
+            times = []
+        else:
+            times = decode_for(model, lengths, args.seconds)
+        stop.set()
+        thread.join()
+        report("prefill alone" if nice is None else f"both, nice {nice}", times, len(pieces),
+               args.seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
