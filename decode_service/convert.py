@@ -29,7 +29,7 @@ def job_from_proto(req: pb.DecodeRequest) -> t.DecodeJob:
     return t.DecodeJob(req.request_id, tuple(req.prompt_token_ids),
                        sampling_from_proto(req.sampling), stop_from_proto(req.stop),
                        tuple(req.prefill_candidates), req.local_prefill_fallback,
-                       req.priority)
+                       req.priority, t.check_cache_salt(req.cache_salt))
 
 
 def prefill_request(job: t.DecodeJob, fingerprint: kv_transfer.ModelFingerprint,
@@ -40,7 +40,8 @@ def prefill_request(job: t.DecodeJob, fingerprint: kv_transfer.ModelFingerprint,
         sampling=sampling_to_proto(job.sampling),
         fingerprint=kv_transfer.fingerprint_to_proto(fingerprint), kv_token_start=kv_token_start,
         max_chunk_bytes=max_chunk_bytes, accept_kv_socket=accept_kv_socket,
-        banned_first_token_ids=banned_first, priority=job.priority)
+        banned_first_token_ids=banned_first, priority=job.priority,
+        cache_salt=job.cache_salt)
 
 
 def prefill_call(channel):

@@ -219,13 +219,13 @@ class DecodeEngine:
             if on_demand and self._swapped:
                 raise Overloaded(f"{len(self._swapped)} preempted sequences wait for KV blocks")
             spare = len(self._live) if on_demand else 0
-            if not self.blocks.can_allocate(prompt, reserve, spare):
+            if not self.blocks.can_allocate(prompt, reserve, spare, job.cache_salt):
                 raise Overloaded(
                     f"not enough free KV blocks: need "
                     f"{self.blocks.blocks_needed(len(prompt) + reserve)}"
                     f"{f' + {spare} kept for running sequences' if spare else ''}, "
                     f"{self.blocks.num_free_blocks} free of {self.blocks.num_blocks}")
-            alloc = self.blocks.allocate(rid, prompt, reserve)
+            alloc = self.blocks.allocate(rid, prompt, reserve, job.cache_salt)
             seq = Sequence(job, max_tokens, alloc.block_table, alloc.num_cached_tokens,
                            OutputText(self.tokenizer, job.stop.stop_strings,
                                       job.stop.skip_special_tokens,
@@ -491,10 +491,11 @@ class DecodeEngine:
                 return
             n, prompt = seq.next_position(), list(seq.job.prompt_ids)
             with self._blocks_lock:
+                salt = seq.job.cache_salt
                 if not self.blocks.can_allocate(prompt, n + 1 - len(prompt),
-                                                len(self.scheduler.running)):
+                                                len(self.scheduler.running), salt):
                     return
-                alloc = self.blocks.allocate(seq.request_id, prompt, n + 1 - len(prompt))
+                alloc = self.blocks.allocate(seq.request_id, prompt, n + 1 - len(prompt), salt)
                 self._swapped.pop(0)
             kv, seq.swapped_kv = seq.swapped_kv, None
             cached = alloc.num_cached_tokens // self.config.block_size  # shared, already there

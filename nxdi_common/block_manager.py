@@ -69,6 +69,17 @@ class _Request:
     last_hash: int | None = None  # chained hash of block num_sealed - 1
 
 
+def salt_root(salt: str = "") -> int | None:
+    """The chain's root for a request's cache salt (vLLM's cache_salt): None without one, else
+    a 128-bit hash of it that the first block's hash chains on, so that only requests with the
+    same salt share cached blocks (a tenant cannot learn from timing what another's prompts
+    held)."""
+    if not salt:
+        return None
+    return int.from_bytes(hashlib.blake2b(b"salt:" + salt.encode(), digest_size=16).digest(),
+                          "little")
+
+
 def chain_hash(parent: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
     """128-bit hash of a full block's tokens, chained on its parent block's hash."""
     hasher = hashlib.blake2b(digest_size=16)
@@ -119,22 +130,23 @@ class BlockManager:
     # ---- admission --------------------------------------------------------------------------
 
     def can_allocate(self, token_ids: list[int], reserve_tokens: int = 0,
-                     spare_blocks: int = 0) -> bool:
-        """Whether ``allocate(_, token_ids, reserve_tokens)`` would succeed now and leave at
-        least ``spare_blocks`` free."""
-        required = self._free_blocks_required(token_ids, reserve_tokens)[1]
+                     spare_blocks: int = 0, salt: str = "") -> bool:
+        """Whether ``allocate(_, token_ids, reserve_tokens, salt)`` would succeed now and leave
+        at least ``spare_blocks`` free."""
+        required = self._free_blocks_required(token_ids, reserve_tokens, salt)[1]
         return required + spare_blocks <= self.num_free_blocks
 
     def allocate(self, request_id: str, token_ids: list[int],
-                 reserve_tokens: int = 0) -> Allocation:
+                 reserve_tokens: int = 0, salt: str = "") -> Allocation:
         """Give a new request blocks for its prompt plus ``reserve_tokens`` future tokens.
 
-        Leading sealed blocks with a matching chained hash are shared (or revived from the free
-        pool). Raises OutOfBlocks, leaving the state unchanged, if the blocks are not there.
+        Leading sealed blocks with a matching chained hash (rooted at the request's cache
+        ``salt``, salt_root) are shared (or revived from the free pool). Raises OutOfBlocks,
+        leaving the state unchanged, if the blocks are not there.
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks; free it first")
-        matched, required = self._free_blocks_required(token_ids, reserve_tokens)
+        matched, required = self._free_blocks_required(token_ids, reserve_tokens, salt)
         if required > self.num_free_blocks:
             raise OutOfBlocks(f"request {request_id!r} needs {required} free blocks, "
                               f"{self.num_free_blocks} are free")
@@ -143,34 +155,35 @@ class BlockManager:
         num_new = self.blocks_needed(len(token_ids) + reserve_tokens) - len(matched)
         table = matched + [self._pop_free() for _ in range(num_new)]
         cached = len(matched) * self._block_size
-        last_hash = self._blocks[matched[-1]].hash if matched else None
+        last_hash = self._blocks[matched[-1]].hash if matched else salt_root(salt)
         self._requests[request_id] = _Request(table, list(token_ids), cached,
                                               len(matched), last_hash)
         return Allocation(list(table), cached)
 
-    def _free_blocks_required(self, token_ids: list[int],
-                              reserve_tokens: int) -> tuple[list[int], int]:
+    def _free_blocks_required(self, token_ids: list[int], reserve_tokens: int,
+                              salt: str = "") -> tuple[list[int], int]:
         """(matched prefix block ids, free-pool blocks the allocation would take)."""
         if not token_ids:
             raise ValueError("a request needs at least one prompt token")
         if reserve_tokens < 0:
             raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
-        matched = self._match_prefix(token_ids)
+        matched = self._match_prefix(token_ids, salt)
         total = self.blocks_needed(len(token_ids) + reserve_tokens)
         revived = sum(1 for b in matched if self._blocks[b].ref_count == 0)
         return matched, total - len(matched) + revived
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+    def cached_prefix_tokens(self, token_ids: list[int], salt: str = "") -> int:
         """Leading tokens of ``token_ids`` whose KV the cache holds now (whole sealed blocks,
         short of the last token: what ``allocate`` would share). Reads only; from a thread
         other than the one allocating it is an estimate (the blocks may be evicted first)."""
-        return len(self._match_prefix(token_ids)) * self._block_size
+        return len(self._match_prefix(token_ids, salt)) * self._block_size
 
-    def _match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Ids of the leading sealed blocks matching the prompt, short of its last token."""
+    def _match_prefix(self, token_ids: list[int], salt: str = "") -> list[int]:
+        """Ids of the leading sealed blocks matching the prompt (its chain rooted at ``salt``),
+        short of its last token."""
         if not self.enable_prefix_caching:
             return []
-        matched, parent, size = [], None, self._block_size
+        matched, parent, size = [], salt_root(salt), self._block_size
         for start in range(0, len(token_ids) - size, size):
             chunk = tuple(token_ids[start:start + size])
             parent = chain_hash(parent, chunk)

@@ -10,7 +10,7 @@ from nxdi_common.kv_transfer import KVChunkData, ModelFingerprint
 from nxdi_common.serving.convert import (logprobs_to_proto, prompt_logprobs_to_proto,
                                          sampling_from_proto)
 from nxdi_common.serving.errors import FailedPrecondition
-from nxdi_common.serving.types import PrefillJob
+from nxdi_common.serving.types import PrefillJob, check_cache_salt
 from prefill_service.scheduler import FirstTokenResult, LoadReport
 from protos.nxdi.serving.v1 import serving_pb2, serving_pb2_grpc
 
@@ -56,7 +56,8 @@ def job_from_proto(msg: serving_pb2.PrefillRequest) -> PrefillJob:
         sampling=sampling_from_proto(msg.sampling), kv_token_start=msg.kv_token_start,
         head_start=msg.head_start, head_end=msg.head_end, max_chunk_bytes=msg.max_chunk_bytes,
         accept_kv_socket=msg.accept_kv_socket,
-        banned_first=tuple(msg.banned_first_token_ids), priority=msg.priority)
+        banned_first=tuple(msg.banned_first_token_ids), priority=msg.priority,
+        cache_salt=check_cache_salt(msg.cache_salt))
 
 
 def first_token_event(first: FirstTokenResult) -> serving_pb2.PrefillEvent:

@@ -66,19 +66,21 @@ class PrefixCache:
         self.sizes = sorted(model.chunk_models)
         self.scratch_slot = model.scratch[1] * block_size
 
-    def admit(self, request_id: str, prompt_ids: list[int], whole: bool) -> Entry:
+    def admit(self, request_id: str, prompt_ids: list[int], whole: bool,
+              salt: str = "") -> Entry:
         """Allocate a prompt's blocks (OutOfBlocks when the pool cannot hold them: it holds any
         batch the worker's settings allow, PrefillSettings checks that). whole: compute every
-        position (a prompt to score)."""
-        alloc = self.blocks.allocate(request_id, prompt_ids)
+        position (a prompt to score); salt: the request's cache salt (shares only with its
+        own)."""
+        alloc = self.blocks.allocate(request_id, prompt_ids, salt=salt)
         cached = alloc.num_cached_tokens
         return Entry(request_id, list(prompt_ids), alloc.block_table, cached,
                      0 if whole else cached)
 
-    def cached_tokens(self, prompt_ids: list[int], whole: bool = False) -> int:
+    def cached_tokens(self, prompt_ids: list[int], whole: bool = False, salt: str = "") -> int:
         """Leading tokens of the prompt the cache holds now and admit would not compute (0 for
         a prompt run whole); an estimate from another thread (BlockManager.cached_prefix_tokens)."""
-        return 0 if whole else self.blocks.cached_prefix_tokens(prompt_ids)
+        return 0 if whole else self.blocks.cached_prefix_tokens(prompt_ids, salt)
 
     def release(self, entry: Entry, computed: bool) -> None:
         """The prompt's blocks back to the pool; computed: its KV is all written, so its full

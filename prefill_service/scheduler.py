@@ -228,7 +228,8 @@ def run_batch(model, batch: list[PrefillTask], cache: PrefixCache | None = None
     try:
         for task in batch:
             entries.append(cache.admit(task.job.request_id, task.job.prompt_ids,
-                                       whole=task.job.sampling.prompt_logprobs is not None))
+                                       whole=task.job.sampling.prompt_logprobs is not None,
+                                       salt=task.job.cache_salt))
         start = time.perf_counter_ns()
         whole = [i for i, e in enumerate(entries) if not e.reuse]
         firsts: list = [None] * len(batch)  # (token, logits, uniform, scores) per task
@@ -422,7 +423,7 @@ class PrefillEngine:
         if self.cache is None:
             return 0
         return self.cache.cached_tokens(job.prompt_ids, whole=job.sampling.prompt_logprobs
-                                        is not None)
+                                        is not None, salt=job.cache_salt)
 
     def drop(self, task: PrefillTask) -> None:
         """Forget ``task``: off the queue if still waiting, its result discarded if running."""

@@ -132,7 +132,7 @@ def decode_request(req: RoutedRequest, prefill_candidates: list[str]) -> pb.Deco
                             sampling=common.sampling_to_proto(req.sampling),
                             stop=common.stop_to_proto(req.stop),
                             prefill_candidates=prefill_candidates, local_prefill_fallback=False,
-                            priority=req.priority)
+                            priority=req.priority, cache_salt=req.cache_salt)
 
 
 def start_generate(channel: grpc.aio.Channel, req: RoutedRequest, prefill_candidates: list[str],

@@ -137,8 +137,10 @@ class Dispatcher:
 
     def plan(self, req: RoutedRequest) -> tuple[list[WorkerState], list[WorkerState]]:
         """Decode workers to try, best first, and the prefill candidates, best first."""
-        decodes = self.policy.rank_decode(req.prompt_ids, self.registry.workers(DECODE))
-        prefills = self.policy.rank_prefill(req.prompt_ids, self.registry.workers(PREFILL))
+        decodes = self.policy.rank_decode(req.prompt_ids, self.registry.workers(DECODE),
+                                          req.cache_salt)
+        prefills = self.policy.rank_prefill(req.prompt_ids, self.registry.workers(PREFILL),
+                                            req.cache_salt)
         return decodes, prefills
 
     def unhealthy_reason(self) -> str:
@@ -255,7 +257,7 @@ class Dispatcher:
         """Tell the policy where an accepted request went (the first prefill candidate is where
         its prompt most likely went: the decode worker tries them in order); now and then let it
         forget workers that discovery no longer lists."""
-        self.policy.note_routed(req.prompt_ids, decode, prefill)
+        self.policy.note_routed(req.prompt_ids, decode, prefill, req.cache_salt)
         self._routed += 1
         if self._routed % FORGET_EVERY_ROUTES == 0:
             self.policy.forget_workers({w.address for role in (DECODE, PREFILL)

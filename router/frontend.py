@@ -19,8 +19,8 @@ from pathlib import Path
 from nxdi_common.serving.errors import InvalidRequest, ModelNotFound
 from nxdi_common.serving.structured import GrammarCompiler
 from nxdi_common.serving.types import (ModelLimits, SamplingOptions, StopOptions,
-                                       check_priority, check_prompt, check_sampling,
-                                       resolve_max_tokens)
+                                       check_cache_salt, check_priority, check_prompt,
+                                       check_sampling, resolve_max_tokens)
 from router.tools import ToolCall, ToolRequest, message_tool_calls, render_fallback, \
     render_native, template_call_format, template_renders_tools
 
@@ -66,6 +66,7 @@ class RoutedRequest:
     sampling: SamplingOptions
     stop: StopOptions
     priority: int = 0  # lower is served first where requests wait (types.check_priority)
+    cache_salt: str = ""  # shares cached blocks only with its own salt (types.check_cache_salt)
 
 
 # apply_chat_template arguments the server sets itself: a request's chat_template_kwargs may not
@@ -205,11 +206,13 @@ class ModelFrontend:
 
     def prepare(self, prompt_ids: list[int], sampling: SamplingOptions, stop: StopOptions,
                 prompt_field: str = "prompt", request_id: str = "",
-                truncate_prompt_tokens: int | None = None, priority: int = 0) -> RoutedRequest:
+                truncate_prompt_tokens: int | None = None, priority: int = 0,
+                cache_salt: str = "") -> RoutedRequest:
         """Validate everything and resolve max_tokens; raises InvalidRequest naming the field.
         ``truncate_prompt_tokens`` (vLLM's): keep only the prompt's last that many tokens (-1:
         the context length's worth); ``priority``: non-zero only with priority scheduling."""
         check_priority(priority)
+        check_cache_salt(cache_salt)
         if priority and not self.priority_scheduling:
             raise InvalidRequest("priority", f"must be 0 on this router (got {priority}): "
                                  f"priority scheduling is off (--scheduling-policy priority)")
@@ -223,7 +226,7 @@ class ModelFrontend:
         max_tokens = resolve_max_tokens(len(prompt_ids), stop, self.limits)
         stop = replace(stop, max_tokens=max_tokens).validate()  # min_tokens within what is left
         return RoutedRequest(request_id or new_request_id(), tuple(prompt_ids), sampling, stop,
-                             priority)
+                             priority, cache_salt)
 
 
     def truncated(self, prompt_ids: list[int], keep: int) -> list[int]:

@@ -45,7 +45,8 @@ def routed_from_proto(req, frontend: ModelFrontend,
     else:
         ids = value
     truncate = req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None
-    return frontend.prepare(ids, sampling, stop, kind, req.request_id, truncate, req.priority)
+    return frontend.prepare(ids, sampling, stop, kind, req.request_id, truncate, req.priority,
+                            req.cache_salt)
 
 
 class RouterServicer(convert.RouterServicerBase):

@@ -78,6 +78,7 @@ class _Common(_Strict):
     # stop string or stop token that ended the output kept at its end
     truncate_prompt_tokens: int | None = None
     priority: int | None = None  # vLLM's: lower first (--scheduling-policy priority)
+    cache_salt: str | None = None  # vLLM's: cached blocks shared only with the same salt
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     # OpenAI's text / json_object / json_schema, on both endpoints (as vLLM), and vLLM's
@@ -432,7 +433,7 @@ def completion_to_routed(body: CompletionRequest, frontend: ModelFrontend,
     prompt = body.prompt if prompt is None else prompt
     ids = frontend.encode_text(prompt) if isinstance(prompt, str) else prompt
     return frontend.prepare(ids, sampling, stop, field, request_id, body.truncate_prompt_tokens,
-                            body.priority or 0)
+                            body.priority or 0, body.cache_salt or "")
 
 
 def chat_tools(body: ChatRequest) -> ToolRequest | None:
@@ -472,7 +473,8 @@ def chat_to_routed(body: ChatRequest, frontend: ModelFrontend, request_id: str =
         stop.validate()
         ids = frontend.encode_chat(chat_turns(body), "messages", tools, chat_options(body))
         return frontend.prepare(ids, sampling, stop, "messages", request_id,
-                                body.truncate_prompt_tokens, body.priority or 0)
+                                body.truncate_prompt_tokens, body.priority or 0,
+                                body.cache_salt or "")
     except InvalidRequest as exc:
         if exc.field == "max_tokens" and field != exc.field:
             raise InvalidRequest(field, str(exc).split(": ", 1)[1]) from None

@@ -4,9 +4,11 @@ Plain classes over :class:`WorkerState` snapshots, no I/O. Every policy ranks on
 workers and returns the full ranking (the dispatcher tries decode workers in that order, and the
 decode worker tries prefill candidates in that order)::
 
-    rank_decode(prompt_ids, workers)  -> list[WorkerState]
-    rank_prefill(prompt_ids, workers) -> list[WorkerState]
-    note_routed(prompt_ids, decode, prefill)  # the request went there (prefill None: local)
+    rank_decode(prompt_ids, workers, salt="")  -> list[WorkerState]
+    rank_prefill(prompt_ids, workers, salt="") -> list[WorkerState]
+    note_routed(prompt_ids, decode, prefill, salt="")  # it went there (prefill None: local)
+(salt: the request's cache salt, which roots the prompt's block hashes as the workers root
+them)
 """
 from __future__ import annotations
 
@@ -167,7 +169,7 @@ class _Policy:
     """What every policy does with a routed request by default: nothing."""
 
     def note_routed(self, prompt_ids: Sequence[int], decode: WorkerState,
-                    prefill: WorkerState | None) -> None:
+                    prefill: WorkerState | None, salt: str = "") -> None:
         pass
 
     def forget_workers(self, addresses: set[str]) -> None:
@@ -179,10 +181,12 @@ class LeastLoaded(_Policy):
 
     name = "least-loaded"
 
-    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState],
+                    salt: str = ""):
         return sorted(_healthy(workers), key=decode_load_key)
 
-    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState],
+                     salt: str = ""):
         healthy = _healthy(workers)
         return sorted(healthy, key=prefill_load_key(len(prompt_ids), healthy))
 
@@ -203,10 +207,12 @@ class RoundRobin(_Policy):
         self._next[role] += 1
         return ranked[start:] + ranked[:start]
 
-    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState],
+                    salt: str = ""):
         return self._rotate(DECODE, workers)
 
-    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState],
+                     salt: str = ""):
         return self._rotate(PREFILL, workers)
 
 
@@ -247,11 +253,13 @@ class PrefixAffinity(_Policy):
             return ranked
         return [winner] + [w for w in ranked if w is not winner]
 
-    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState],
+                    salt: str = ""):
         return self._rank(prompt_ids, workers, decode_load_key,
                           lambda w: w.current_load.kv_blocks_free == 0)
 
-    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState],
+                     salt: str = ""):
         return self._rank(prompt_ids, workers,
                           prefill_load_key(len(prompt_ids), _healthy(workers)), lambda w: False)
 
@@ -287,45 +295,49 @@ class CacheAware(_Policy):
             raise ValueError(f"cache overlap weight must be a number >= 0, got {overlap_weight!r}")
         self.overlap_weight = float(overlap_weight)
         self.index = PrefixIndex()
-        self._hashes: tuple[Sequence[int] | None, int, list[int]] = (None, 0, [])
+        self._hashes: tuple[Sequence[int] | None, int, str, list[int]] = (None, 0, "", [])
 
-    def hashes(self, prompt_ids: Sequence[int], block_size: int) -> list[int]:
+    def hashes(self, prompt_ids: Sequence[int], block_size: int, salt: str = "") -> list[int]:
         """block_hashes of the prompt, remembered for the request being routed (ranking both
         roles and noting the route hash one prompt three times)."""
-        ids, size, hashes = self._hashes
-        if ids is not prompt_ids or size != block_size:
-            hashes = block_hashes(prompt_ids, block_size)
-            self._hashes = (prompt_ids, block_size, hashes)
+        ids, size, key, hashes = self._hashes
+        if ids is not prompt_ids or size != block_size or key != salt:
+            hashes = block_hashes(prompt_ids, block_size, salt)
+            self._hashes = (prompt_ids, block_size, salt, hashes)
         return hashes
 
-    def matched_blocks(self, prompt_ids: Sequence[int], w: WorkerState) -> int:
+    def matched_blocks(self, prompt_ids: Sequence[int], w: WorkerState, salt: str = "") -> int:
         """The prompt's leading blocks (of w's size) the worker holds: by its own report, and
         by what this router sent it since (router.prefix_index)."""
-        return self.index.matched_blocks(w.address, self.hashes(prompt_ids, block_size_of(w)),
-                                         w.cache)
+        return self.index.matched_blocks(
+            w.address, self.hashes(prompt_ids, block_size_of(w), salt), w.cache)
 
-    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+    def rank_decode(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState],
+                    salt: str = ""):
         def key(w: WorkerState) -> tuple:
             load = w.current_load
-            uncached = len(prompt_ids) // block_size_of(w) - self.matched_blocks(prompt_ids, w)
+            uncached = len(prompt_ids) // block_size_of(w) - self.matched_blocks(prompt_ids, w,
+                                                                                 salt)
             cost = (1 + self.overlap_weight) * uncached + load.kv_blocks_used
             return (load.kv_blocks_free == 0, cost,
                     load.running_sequences + load.queued_requests, w.address)
         return sorted(_healthy(workers), key=key)
 
-    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState]):
+    def rank_prefill(self, prompt_ids: Sequence[int], workers: Sequence[WorkerState],
+                     salt: str = ""):
         healthy = _healthy(workers)
         return sorted(healthy, key=prefill_load_key(
             len(prompt_ids), healthy,
-            cached=lambda w: self.matched_blocks(prompt_ids, w) * block_size_of(w)))
+            cached=lambda w: self.matched_blocks(prompt_ids, w, salt) * block_size_of(w)))
 
     def note_routed(self, prompt_ids: Sequence[int], decode: WorkerState,
-                    prefill: WorkerState | None) -> None:
+                    prefill: WorkerState | None, salt: str = "") -> None:
         for w in (decode, prefill):
             if w is not None:
                 load = w.current_load
                 capacity = load.kv_blocks_used + load.kv_blocks_free or DEFAULT_CAPACITY_BLOCKS
-                self.index.record(w.address, self.hashes(prompt_ids, block_size_of(w)), capacity)
+                self.index.record(w.address, self.hashes(prompt_ids, block_size_of(w), salt),
+                                  capacity)
 
     def forget_workers(self, addresses: set[str]) -> None:
         self.index.forget(addresses)

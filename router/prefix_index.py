@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from nxdi_common.block_manager import chain_hash
+from nxdi_common.block_manager import chain_hash, salt_root
 from nxdi_common.cache_journal import MASK64, CacheReport
 
 # Blocks an index keeps for a worker that does not report its cache size: the prefill worker's
@@ -32,10 +32,11 @@ from nxdi_common.cache_journal import MASK64, CacheReport
 DEFAULT_CAPACITY_BLOCKS = 1024
 
 
-def block_hashes(prompt_ids: Sequence[int], block_size: int) -> list[int]:
-    """The chained hashes of the prompt's full blocks of ``block_size`` tokens, in order."""
+def block_hashes(prompt_ids: Sequence[int], block_size: int, salt: str = "") -> list[int]:
+    """The chained hashes of the prompt's full blocks of ``block_size`` tokens, in order (the
+    chain rooted at the request's cache salt, as the workers root it)."""
     hashes: list[int] = []
-    parent = None
+    parent = salt_root(salt)
     for start in range(0, len(prompt_ids) - block_size + 1, block_size):
         parent = chain_hash(parent, prompt_ids[start:start + block_size])
         hashes.append(parent)

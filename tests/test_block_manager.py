@@ -146,6 +146,30 @@ def test_hash_chains_the_parent(bm):
     assert bm.allocate("d", [9, 9, 9, 9] + tokens(0, 4) + [1]).num_cached_tokens == 8
 
 
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt(bm):
+    """vLLM's cache_salt roots the hash chain: the same prompt under another salt (or none)
+    matches nothing, under the same salt it shares; the journal and the router's block_hashes
+    name the same salted hashes."""
+    from nxdi_common.cache_journal import MASK64
+    from router.prefix_index import block_hashes
+    prompt = tokens(0, 9)
+    bm.allocate("a", prompt, salt="tenant-1")
+    bm.mark_computed("a", 9)
+    assert bm.cached_prefix_tokens(prompt) == 0
+    assert bm.cached_prefix_tokens(prompt, "tenant-2") == 0
+    assert bm.cached_prefix_tokens(prompt, "tenant-1") == 8
+    # 21 tokens: 6 blocks, 5 free; under its salt 2 of them are shared
+    assert bm.can_allocate(prompt, 12, salt="tenant-1")
+    assert not bm.can_allocate(prompt, 12, salt="tenant-2") and not bm.can_allocate(prompt, 12)
+    assert bm.allocate("b", prompt).num_cached_tokens == 0
+    assert bm.allocate("c", prompt, salt="tenant-1").num_cached_tokens == 8
+    report = bm.journal.since(0, 0)
+    assert set(report.stored) == {h & MASK64 for h in block_hashes(prompt, 4, "tenant-1")}
+    assert not set(report.stored) & {h & MASK64 for h in block_hashes(prompt, 4)}
+    bm.mark_computed("b", 9)  # the unsalted copy seals under its own hashes
+    assert bm.cached_prefix_tokens(prompt) == 8
+
+
 def test_cached_prefix_tokens_reads_what_allocate_would_share(bm):
     bm.allocate("a", tokens(0, 9))
     assert bm.cached_prefix_tokens(tokens(0, 9)) == 0  # nothing computed yet

@@ -594,3 +594,32 @@ def test_chat_template_kwargs_reach_the_template(router, http, tiny_chat_model):
         assert param in info.value.details(), info.value.details()
     assert grpc_chat(router, chat_template_kwargs_json='{"enable_thinking": false}',
                      stop=pb.StopCriteria(max_tokens=1))[-1].usage.prompt_tokens > 0
+
+
+def test_cache_salt_keeps_cached_prompts_apart(router, http):
+    """A prompt sent again under its cache_salt finds its blocks cached (usage's cached_tokens,
+    at the decode worker); under another salt, or none, it finds nothing of them; the gRPC
+    field does the same; a bad salt is refused by name."""
+    import grpc
+
+    from protos.nxdi.serving.v1 import serving_pb2 as pb
+    prompt = list(range(2000, 2100))  # 100 tokens: 6 full blocks of 16
+
+    def cached(**extra):
+        reply = post(http, prompt=prompt, max_tokens=2, **extra)
+        return reply["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    cached(cache_salt="tenant-a")
+    assert cached(cache_salt="tenant-a") == 96
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
+    assert cached(cache_salt="tenant-a") == 96
+    events = grpc_generate(router, prompt_token_ids=pb.TokenIds(ids=prompt),
+                           stop=pb.StopCriteria(max_tokens=2), cache_salt="tenant-b")
+    assert events[-1].usage.cached_prompt_tokens == 96  # tenant-b's first visit was over HTTP
+    bad = httpx.post(f"http://{http}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "hi", "cache_salt": "x" * 2000})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_generate(router, cache_salt="x" * 2000)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -303,6 +303,7 @@ class DecodeJob:
     prefill_candidates: tuple[str, ...] = ()
     local_prefill_fallback: bool = False
     priority: int = 0  # lower runs first where requests wait (check_priority)
+    cache_salt: str = ""  # only requests with the same salt share cached blocks (check_cache_salt)
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,7 @@ class PrefillJob:
     accept_kv_socket: bool = False  # the caller can take the chunks on a KV socket
     banned_first: tuple[int, ...] = ()  # the first token may not be one of these (min_tokens)
     priority: int = 0  # lower goes first in the prefill queue (check_priority)
+    cache_salt: str = ""  # the prefix cache's chain root (block_manager.salt_root)
 
 
 PRIORITY_RANGE = (-(2 ** 31), 2 ** 31 - 1)  # int32 on the wire
@@ -333,3 +335,15 @@ def check_priority(priority, field_name: str = "priority") -> int:
         raise InvalidRequest(field_name, f"must be an integer in [{low}, {high}], got "
                                          f"{priority!r}")
     return priority
+
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(salt, field_name: str = "cache_salt") -> str:
+    """vLLM's cache_salt: prompts share cached KV blocks only with prompts of the same salt
+    (block_manager.salt_root); empty means the shared cache."""
+    if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(field_name, f"must be a string of at most {MAX_CACHE_SALT_CHARS} "
+                                         f"characters, got {salt!r:.100}")
+    return salt

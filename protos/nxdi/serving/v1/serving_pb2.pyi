@@ -183,7 +183,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "prompt_token_ids", "chat", "sampling", "stop", "tools", "tool_choice", "parallel_tool_calls", "truncate_prompt_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs_json", "priority")
+    __slots__ = ("request_id", "model", "prompt", "prompt_token_ids", "chat", "sampling", "stop", "tools", "tool_choice", "parallel_tool_calls", "truncate_prompt_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs_json", "priority", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class GenerateRequest(_message.Message):
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: str
@@ -214,7 +215,8 @@ class GenerateRequest(_message.Message):
     continue_final_message: bool
     chat_template_kwargs_json: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -297,7 +299,7 @@ class TokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "prefill_candidates", "local_prefill_fallback", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "prefill_candidates", "local_prefill_fallback", "priority", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +307,7 @@ class DecodeRequest(_message.Message):
     PREFILL_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -312,7 +315,8 @@ class DecodeRequest(_message.Message):
     prefill_candidates: _containers.RepeatedScalarFieldContainer[str]
     local_prefill_fallback: bool
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., prefill_candidates: _Optional[_Iterable[str]] = ..., local_prefill_fallback: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., prefill_candidates: _Optional[_Iterable[str]] = ..., local_prefill_fallback: _Optional[bool] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ModelFingerprint(_message.Message):
     __slots__ = ("model_name", "num_layers", "num_kv_heads", "head_dim", "dtype", "kv_quantization", "weights_hash")
@@ -333,7 +337,7 @@ class ModelFingerprint(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., kv_quantization: _Optional[_Union[KVQuantization, str]] = ..., weights_hash: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "fingerprint", "kv_token_start", "head_start", "head_end", "max_chunk_bytes", "accept_kv_socket", "banned_first_token_ids", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "fingerprint", "kv_token_start", "head_start", "head_end", "max_chunk_bytes", "accept_kv_socket", "banned_first_token_ids", "priority", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +349,7 @@ class PrefillRequest(_message.Message):
     ACCEPT_KV_SOCKET_FIELD_NUMBER: _ClassVar[int]
     BANNED_FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -356,7 +361,8 @@ class PrefillRequest(_message.Message):
     accept_kv_socket: bool
     banned_first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_token_start: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., accept_kv_socket: _Optional[bool] = ..., banned_first_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_token_start: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., accept_kv_socket: _Optional[bool] = ..., banned_first_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs", "cached_prompt_tokens", "compute_ns", "prompt_logprobs")
