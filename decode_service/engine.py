@@ -179,6 +179,7 @@ class DecodeEngine:
         self._local_mark: float | None = None
         self._background = (None if config.local_prefill_nice is None
                             else BackgroundPrefill(self, config.local_prefill_nice))
+        self._step_began = 0.0  # perf_counter() when the last decode step began (_pace_s)
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -334,10 +335,23 @@ class DecodeEngine:
         self._apply_commands(block=idle)
         if self._stopping:
             return
+        pause = self._pace_s()
+        if pause > 0:  # the core goes to the local prefill thread meanwhile
+            self._apply_commands(block=True, timeout=pause)
+            return
         piece = self._plan_piece() if self._local else None
         if not (piece and self._piece_now(piece) and self._local_piece(piece)):
             self._decode_calls()
         self._update_gauges()
+
+    def _pace_s(self) -> float:
+        """With local prefill on its own thread and an ITL target: seconds to wait before the
+        next decode step so that steps start no more often than once per target while a local
+        prefill runs (the time between goes to it); 0 otherwise."""
+        target = self.config.itl_target_s
+        if self._background is None or target is None or not len(self._background):
+            return 0.0
+        return self._step_began + target - time.perf_counter()
 
     def _plan_piece(self) -> tuple[Sequence, int, int]:
         """The next local prefill piece: (sequence, start, end) of its prompt positions."""
@@ -436,7 +450,7 @@ class DecodeEngine:
     def _decode_calls(self) -> None:
         """The running batch's decode step as token-generation calls of its own."""
         groups = self._decode_groups(self._next_batch())
-        began = time.perf_counter()
+        began = self._step_began = time.perf_counter()
         for group in groups:
             self._guarded(self._decode_step, group, group)
         if groups:
@@ -525,9 +539,9 @@ class DecodeEngine:
         self._piece_sums = (seconds_sum, tokens_sum)
         self.piece_s_per_token = max(seconds_sum / tokens_sum, 0.0)
 
-    def _apply_commands(self, block: bool) -> None:
+    def _apply_commands(self, block: bool, timeout: float = 0.5) -> None:
         try:
-            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

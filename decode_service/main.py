@@ -91,7 +91,9 @@ def _add_local_prefill_args(p) -> None:
                    "decode steps, which keep most of the core (nice 5: ~3/4) so that running "
                    "streams' inter-token gaps grow by a share instead of by whole pieces "
                    "(decode_service/background_prefill.py); default: pieces between the steps "
-                   "(the targets below apply only then)")
+                   "(the TPOT and TTFT targets below apply only then; --itl-target-ms paces "
+                   "the steps instead: while a local prefill runs a step starts at most once per "
+                   "MS, the time between going to the prefill)")
     p.add_argument("--tpot-target-ms", type=float, default=None, metavar="MS",
                    help="a local prefill piece waits while it would put a running sequence over "
                    "this time per output token that it would otherwise meet (e.g. the TPOT SLO); "
@@ -162,7 +164,7 @@ def _piece_sizes(args) -> tuple[int, ...] | None:
     if args.piece_sizes is None:
         if not chunked:
             return None
-        if args.itl_target_ms:
+        if args.itl_target_ms and args.local_prefill_nice is None:  # else it paces steps
             return default_piece_sizes(chunk)
         return (SHORT_PIECE, chunk) if chunk > SHORT_PIECE else None
     if not chunked:

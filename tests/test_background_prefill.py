@@ -94,6 +94,37 @@ def test_streams_step_while_a_prompt_is_prefilled_beside_them(tiny_chat_model, r
         engine.stop()
 
 
+def test_an_itl_target_paces_the_steps_while_a_local_prefill_runs(tiny_chat_model):
+    """--itl-target-ms with the thread: while a prompt's piece runs a step starts at most once
+    per 40 ms (the time between is the prefill's); with no local prefill, no pause."""
+    engine = build(tiny_chat_model, "--itl-target-ms", "40")
+    try:
+        times = []
+
+        class Timed(list):  # a token sink noting when each token came
+            def append(self, out):
+                times.append(time.perf_counter())
+                super().append(out)
+
+        short = admit(engine, "short", [1, 504, 3458, 282, 4649, 314], 40, Timed())
+        turn_until(engine, lambda: len(times) >= 2)
+        assert engine._pace_s() == 0.0
+        gate, entered, restore = hold_pieces(engine)
+        admit(engine, "long", list(range(300, 400)), 4, [])
+        engine._iterate()
+        assert entered.wait(30)
+        before = len(times)
+        turn_until(engine, lambda: len(times) >= before + 5)
+        gaps = [b - a for a, b in zip(times[before:], times[before + 1:])]
+        assert min(gaps) >= 0.035, gaps
+        restore()
+        gate.set()
+        turn_until(engine, lambda: short.finished and len(engine._background) == 0)
+        assert engine._pace_s() == 0.0
+    finally:
+        engine.stop()
+
+
 def test_a_sequence_dropped_mid_piece_is_released_after_the_piece(tiny_chat_model):
     engine = build(tiny_chat_model)
     try:
