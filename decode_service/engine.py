@@ -211,7 +211,12 @@ class DecodeEngine:
         reserve = 1 if on_demand else max_tokens
         with self._blocks_lock:
             if rid in self._live:
-                raise Overloaded(f"request id {rid!r} is already running on this worker")
+                old = self._live[rid]
+                if not old.finished:
+                    raise Overloaded(f"request id {rid!r} is already running on this worker")
+                # its last token is out (a client may reuse the id at once), its release by the
+                # engine thread not yet in: release it here (that one then finds it gone)
+                self._release_locked(old)
             most = self.blocks.blocks_needed(len(prompt) + max_tokens)
             if most > self.blocks.num_blocks:
                 raise Overloaded(f"{len(prompt)} prompt tokens + max_tokens {max_tokens} need "
@@ -275,15 +280,18 @@ class DecodeEngine:
     def release(self, seq: Sequence) -> None:
         """Free the sequence's blocks, once; nothing when its id now names a newer sequence."""
         with self._blocks_lock:
-            self._local_left.pop(id(seq), None)
-            if self._is_live(seq):
-                del self._live[seq.request_id]
-                if seq in self._swapped:  # preempted: no blocks held
-                    self._swapped.remove(seq)
-                    seq.swapped_kv = None
-                else:
-                    self._keep_generated(seq)
-                    self.blocks.free(seq.request_id)
+            self._release_locked(seq)
+
+    def _release_locked(self, seq: Sequence) -> None:
+        self._local_left.pop(id(seq), None)
+        if self._is_live(seq):
+            del self._live[seq.request_id]
+            if seq in self._swapped:  # preempted: no blocks held
+                self._swapped.remove(seq)
+                seq.swapped_kv = None
+            else:
+                self._keep_generated(seq)
+                self.blocks.free(seq.request_id)
 
     def _keep_generated(self, seq: Sequence) -> None:
         """A sequence that ended normally: the KV of the tokens it generated and fed back (all

@@ -58,7 +58,7 @@ def test_output_text_stops_inside_a_token(tokenizer):
 
 def test_scheduler_joins_waiting_sequences_into_the_lowest_free_slots():
     class S:
-        slot = -1
+        slot, priority = -1, 0
     sched = DecodeScheduler(2)
     a, b, c = S(), S(), S()
     for s in (a, b, c):

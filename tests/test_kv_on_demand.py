@@ -148,3 +148,22 @@ def test_preemption_changes_no_token(tiny_chat_model, extra):
     big, none = tokens(64)
     assert preempted > 0 and none == 0
     assert small == big
+
+
+def test_an_id_reused_as_soon_as_its_last_token_is_out_is_admitted(tiny_chat_model):
+    """A client that sends a new request under the id of one whose last token it just got (the
+    engine thread has emitted it, not yet released it) is admitted: the finished sequence's
+    blocks are freed then, once, and its late release leaves the new one alone."""
+    engine = build(tiny_chat_model, 16)
+    old = admit(engine, "x", range(100, 140), 8)
+    old.finish_reason = "length"  # as add_token leaves it just before the engine releases it
+    new = admit(engine, "x", range(200, 240), 8)
+    assert engine._live["x"] is new and engine.blocks.num_used_blocks == 3
+    engine.release(old)  # the engine thread's release, late: nothing of the new one freed
+    assert engine._live["x"] is new and engine.blocks.num_used_blocks == 3
+    engine.blocks.check_integrity()
+    running = admit(engine, "y", range(300, 340), 8)
+    with pytest.raises(Overloaded, match="already running"):
+        admit(engine, "y", range(400, 440), 8)
+    run_until_done(engine, [new, running])
+    assert engine.blocks.num_used_blocks == 0
