@@ -68,6 +68,7 @@ class _Tracker:
     def __init__(self, metrics, prompt_tokens: int, started: float):
         self.metrics, self.started, self.last, self.first = metrics, started, None, None
         self.prompt_tokens, self.tokens = prompt_tokens, 0
+        self.expected_cached: int | None = None  # the policy's belief when it routed it
         metrics.queue_depth_requests.inc()
 
     def token(self) -> None:
@@ -80,7 +81,7 @@ class _Tracker:
             self.metrics.inter_token_latency_seconds.observe(now - self.last)
         self.last, self.tokens = now, self.tokens + 1
 
-    def finish(self, outcome: str) -> None:
+    def finish(self, outcome: str, last: TokenOutput | None = None) -> None:
         m = self.metrics
         if self.last is None:
             m.queue_depth_requests.dec()
@@ -89,6 +90,10 @@ class _Tracker:
         if outcome == "ok":
             m.prompt_tokens_total.inc(self.prompt_tokens)
             m.e2e_request_latency_seconds.observe(time.monotonic() - self.started)
+            usage = last.usage if last is not None else None
+            if self.expected_cached is not None and usage is not None:
+                m.expected_cached_tokens_total.inc(self.expected_cached)
+                m.cached_prompt_tokens_total.inc(usage.cached_prompt_tokens)
 
     def log(self, request_id: str, outcome: str, address: str, last: TokenOutput | None,
             error: str) -> None:
@@ -170,7 +175,7 @@ class Dispatcher:
             if shared is not None and not leads:
                 prefer = await _leader(shared, timeout - (time.monotonic() - tracker.started))
                 timeout -= time.monotonic() - tracker.started  # what the wait left of it
-            call, address, out = await self._open(req, timeout, prefer)
+            call, address, out, tracker.expected_cached = await self._open(req, timeout, prefer)
             if leads:
                 shared.address = address
             while out is not None:
@@ -199,11 +204,12 @@ class Dispatcher:
             if call is not None:
                 call.cancel()  # no-op once the call has finished
                 self.admission.notify()  # its blocks are free: a waiting request may fit
-            tracker.finish(outcome)
+            tracker.finish(outcome, last)
             tracker.log(req.request_id, outcome, address, last, error)
 
     async def _open(self, req: RoutedRequest, timeout: float, prefer: str = ""):
-        """A decode worker's call and first token: (call, worker address, first token). When
+        """A decode worker's call and first token: (call, worker address, first token, the
+        prompt tokens the policy believed that worker had cached, or None). When
         every worker refused, the request waits its turn in the admission queue (nobody waiting:
         after one try at once) and tries again as room comes; Overloaded when none comes in the
         queue's timeout."""
@@ -245,8 +251,10 @@ class Dispatcher:
                 call.cancel()
                 raise
             if first is not None:
+                expected = self.policy.expected_cached_tokens(req.prompt_ids, worker,
+                                                              req.cache_salt)
                 self._note_routed(req, worker, prefill)
-                return call, worker.address, first
+                return call, worker.address, first, expected
             call.cancel()
         if refused:
             return None

@@ -172,6 +172,12 @@ class _Policy:
                     prefill: WorkerState | None, salt: str = "") -> None:
         pass
 
+    def expected_cached_tokens(self, prompt_ids: Sequence[int], decode: WorkerState,
+                               salt: str = "") -> int | None:
+        """Prompt tokens this policy believes ``decode``'s prefix cache holds (None: it keeps
+        no such view)."""
+        return None
+
     def forget_workers(self, addresses: set[str]) -> None:
         """Drop whatever is kept about workers not in ``addresses`` (gone from discovery)."""
 
@@ -338,6 +344,14 @@ class CacheAware(_Policy):
                 capacity = load.kv_blocks_used + load.kv_blocks_free or DEFAULT_CAPACITY_BLOCKS
                 self.index.record(w.address, self.hashes(prompt_ids, block_size_of(w), salt),
                                   capacity)
+
+    def expected_cached_tokens(self, prompt_ids: Sequence[int], decode: WorkerState,
+                               salt: str = "") -> int | None:
+        """Whole blocks the view holds, short of the prompt's last token (a worker computes
+        that one whatever it holds)."""
+        size = block_size_of(decode)
+        return min(self.matched_blocks(prompt_ids, decode, salt),
+                   (len(prompt_ids) - 1) // size) * size
 
     def forget_workers(self, addresses: set[str]) -> None:
         self.index.forget(addresses)

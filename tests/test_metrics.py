@@ -31,6 +31,8 @@ EXPECTED_FAMILIES = {
     "nxdi_preemptions": "counter",
     "nxdi_prefix_cache_hit_tokens": "counter",
     "nxdi_local_prefills": "counter",
+    "nxdi_expected_cached_tokens": "counter",
+    "nxdi_cached_prompt_tokens": "counter",
 }
 
 

@@ -623,3 +623,25 @@ def test_cache_salt_keeps_cached_prompts_apart(router, http):
     with pytest.raises(grpc.RpcError) as info:
         grpc_generate(router, cache_salt="x" * 2000)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_router_counts_the_cached_tokens_it_expected_and_got(http):
+    """The cache-aware router's view against the decode worker's usage: a prompt sent twice is
+    expected cached the second time (its 6 whole blocks, short of the last token) and is."""
+    def counters():
+        text = httpx.get(f"http://{http}/metrics", timeout=10).text
+        values = {}
+        for name in ("nxdi_expected_cached_tokens_total", "nxdi_cached_prompt_tokens_total"):
+            line = next(x for x in text.splitlines() if x.startswith(name + "{"))
+            values[name] = float(line.split()[-1])
+        return values
+
+    prompt = list(range(3000, 3100))
+    before = counters()
+    post(http, prompt=prompt, max_tokens=2)
+    first = counters()
+    assert first == before  # nothing expected, nothing cached
+    post(http, prompt=prompt, max_tokens=2)
+    second = counters()
+    assert {k: second[k] - first[k] for k in second} == {
+        "nxdi_expected_cached_tokens_total": 96, "nxdi_cached_prompt_tokens_total": 96}

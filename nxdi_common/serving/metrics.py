@@ -71,6 +71,11 @@ COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
      "computed (prefill: its own cache; decode: its cache, neither computed nor pulled)"),
     ("local_prefills", "Prompts prefilled by their decode worker (router: requests it sent "
      "without prefill candidates; decode: prompts it prefilled itself)"),
+    ("expected_cached_tokens", "Router, cache-aware policy: prompt tokens of finished requests "
+     "it believed their decode worker's prefix cache held when it routed them (compare with "
+     "cached_prompt_tokens: how good its view of the caches is)"),
+    ("cached_prompt_tokens", "Router, cache-aware policy: prompt tokens of the same requests "
+     "their decode worker reported read from its prefix cache (usage)"),
 )
 PREFIX = "nxdi_"
 
