@@ -458,10 +458,11 @@ class DecodeEngine:
     def _decode_calls(self) -> None:
         """The running batch's decode step as token-generation calls of its own."""
         groups = self._decode_groups(self._next_batch())
-        began = self._step_began = time.perf_counter()
+        began = time.perf_counter()
         for group in groups:
             self._guarded(self._decode_step, group, group)
         if groups:
+            self._step_began = began  # an empty batch is no step: the pace does not restart
             self.step_s = moving_average(self.step_s, time.perf_counter() - began)
             self.step_measured_ns = time.monotonic_ns()
             if self.metrics is not None:
