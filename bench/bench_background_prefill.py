@@ -2,12 +2,14 @@
 worker's --local-prefill-nice trades (decode_service/background_prefill.py).
 
     taskset -c 1 python bench/bench_background_prefill.py [--rows 8] [--length 256]
-                                                          [--seconds 6] [--nice 0 5 10]
+                                                          [--seconds 6] [--nice 0 5 10 idle]
+                                                          [--pace-ms 0]
 
 Loads the bundled model as a one-thread decode worker does (bf16, block KV cache, compiled,
-256-token pieces) and reports the decode step time (p50 / p90 / p99 / max) of --rows rows of
+256-token pieces) and reports the gaps between decode steps (p50 / p90 / p99 / max) of --rows rows of
 --length cached positions: alone, then beside a thread running 256-token prompt pieces at
-each --nice value; and the prefill's tokens per second alone and beside the steps. Pin it to
+each --nice value; and the prefill's tokens per second alone and beside the steps. With --pace-ms the
+steps beside the prefill are paced as the engine paces them (--itl-target-ms). Pin it to
 one core (taskset) to see one core shared, as a disaggregated decode worker's is."""
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_tkg_step as tkg  # noqa: E402
+from decode_service.background_prefill import set_priority  # noqa: E402
 from nxdi_common.serving.compute import use_torch_threads  # noqa: E402
 from nxdi_common.serving.worker import ModelOptions, decode_neuron_config, load_model  # noqa: E402
 
@@ -39,10 +42,10 @@ def piece_args(start: int) -> dict:
                 block_table=torch.tensor([table]), rand=torch.rand(1))
 
 
-def prefill_loop(model, nice: int | None, stop: threading.Event, pieces: list) -> None:
+def prefill_loop(model, nice: int | str | None, stop: threading.Event, pieces: list) -> None:
     use_torch_threads(1)
     if nice is not None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        set_priority(nice)
     k = 0
     with torch.no_grad():
         while not stop.is_set():
@@ -51,13 +54,20 @@ def prefill_loop(model, nice: int | None, stop: threading.Event, pieces: list) -
             k += 1
 
 
-def decode_for(model, lengths: list[int], seconds: float) -> list[float]:
+def decode_for(model, lengths: list[int], seconds: float, pace: float = 0.0) -> list[float]:
+    """The gaps between decode steps' ends (what a stream sees) over `seconds`; with `pace`,
+    a step starts at most once per `pace` seconds (the engine's paced steps)."""
     times, end = [], time.perf_counter() + seconds
+    last = began = time.perf_counter()
     with torch.no_grad():
         while time.perf_counter() < end:
+            if pace:
+                time.sleep(max(0.0, began + pace - time.perf_counter()))
             began = time.perf_counter()
             tkg.step(model, lengths)
-            times.append(time.perf_counter() - began)
+            done = time.perf_counter()
+            times.append(done - last)
+            last = done
     return times
 
 
@@ -75,7 +85,10 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--seconds", type=float, default=6.0)
-    p.add_argument("--nice", type=int, nargs="+", default=[0, 5, 10])
+    p.add_argument("--nice", nargs="+", default=["0", "5", "10"],
+                   help="nice values, or 'idle' (SCHED_IDLE), for the prefill thread")
+    p.add_argument("--pace-ms", type=float, default=0.0,
+                   help="with a prefill thread, start a step at most once per this many ms")
     args = p.parse_args(argv)
     use_torch_threads(1)
     opts = ModelOptions(threads=1)
@@ -87,7 +100,7 @@ def main(argv=None) -> int:
             tkg.step(model, lengths)
             model.forward(**piece_args(0))
     report("decode alone", decode_for(model, lengths, args.seconds), 0, args.seconds)
-    for nice in [None, *args.nice]:
+    for nice in [None, *(n if n == "idle" else int(n) for n in args.nice)]:
         stop, pieces = threading.Event(), []
         thread = threading.Thread(target=prefill_loop, args=(model, nice, stop, pieces))
         thread.start()
@@ -95,7 +108,7 @@ def main(argv=None) -> int:
             time.sleep(args.seconds)
             times = []
         else:
-            times = decode_for(model, lengths, args.seconds)
+            times = decode_for(model, lengths, args.seconds, args.pace_ms / 1e3)
         stop.set()
         thread.join()
         report("prefill alone" if nice is None else f"both, nice {nice}", times, len(pieces),

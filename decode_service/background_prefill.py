@@ -29,23 +29,45 @@ from nxdi_common.serving.compute import use_torch_threads
 
 log = logging.getLogger(__name__)
 NICE_RANGE = (0, 19)  # an unprivileged process may only lower its threads' priority
+IDLE = "idle"  # SCHED_IDLE: the thread runs only while nothing else of ours wants the core
 
 
-def check_nice(nice: int | None) -> int | None:
-    """ValueError naming the setting unless ``nice`` is None or in NICE_RANGE."""
+def check_nice(nice: int | str | None) -> int | str | None:
+    """ValueError naming the setting unless ``nice`` is None, in NICE_RANGE or "idle"."""
     low, high = NICE_RANGE
-    if nice is not None and (isinstance(nice, bool) or not isinstance(nice, int)
-                             or not low <= nice <= high):
-        raise ValueError(f"local_prefill_nice must be an integer in [{low}, {high}] (or unset: "
-                         f"pieces between the decode steps), got {nice!r}")
+    if nice is not None and nice != IDLE and (isinstance(nice, bool) or not isinstance(nice, int)
+                                              or not low <= nice <= high):
+        raise ValueError(f"local_prefill_nice must be an integer in [{low}, {high}] or "
+                         f"{IDLE!r} (or unset: pieces between the decode steps), got {nice!r}")
     return nice
+
+
+def parse_nice(text: str | None) -> int | str | None:
+    """The command line's --local-prefill-nice text as check_nice takes it; ValueError naming the
+    setting for anything else."""
+    try:
+        return check_nice(text if text in (None, IDLE) else int(text))
+    except ValueError:
+        return check_nice(text)  # not an integer: the setting's message
+
+
+def set_priority(nice: int | str) -> None:
+    """Gives the calling thread nice ``nice`` or, for "idle", Linux's SCHED_IDLE policy (a
+    weight of 3 against a nice-0 thread's 1024: with the compute thread runnable, this thread
+    gets well under 1% of the core, so a decode step runs as if alone; between paced steps the
+    core is all this thread's). OSError or AttributeError where the OS has neither."""
+    tid = threading.get_native_id()
+    if nice == IDLE:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    else:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 class BackgroundPrefill:
     """Runs the engine's local prefills, a piece at a time, the next one picked as the engine
     orders them (engine.local_order) after every piece."""
 
-    def __init__(self, engine, nice: int):
+    def __init__(self, engine, nice: int | str):
         self.engine, self.nice = engine, check_nice(nice)
         self._cond = threading.Condition()
         self._waiting: list = []  # submitted, not running now; a begun one first
@@ -102,9 +124,9 @@ class BackgroundPrefill:
     def _run(self) -> None:
         use_torch_threads(1)
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            set_priority(self.nice)
         except (AttributeError, OSError) as exc:  # not Linux-like: it runs at the same priority
-            log.warning("local prefill thread: cannot set nice %d (%s)", self.nice, exc)
+            log.warning("local prefill thread: cannot set nice %s (%s)", self.nice, exc)
         while (seq := self._take()) is not None:
             start, end = self.engine.next_piece(seq)
             out = error = None

@@ -120,10 +120,10 @@ class EngineConfig:
     # Reserve blocks for prompt + max_tokens at admission (never preempts; fewer requests run
     # at once) instead of taking them as tokens come (module doc).
     reserve_max_tokens: bool = False
-    # Run local prefills on a thread of their own at this nice value, beside the decode steps
-    # (decode_service/background_prefill.py); None: pieces between the steps, on the compute
-    # thread (the targets above apply only then).
-    local_prefill_nice: int | None = None
+    # Run local prefills on a thread of their own at this nice value (or "idle": SCHED_IDLE),
+    # beside the decode steps (decode_service/background_prefill.py); None: pieces between the
+    # steps, on the compute thread (the targets above apply only then).
+    local_prefill_nice: int | str | None = None
 
     def __post_init__(self):
         check_nice(self.local_prefill_nice)

@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from decode_service import convert
-from decode_service.background_prefill import check_nice
+from decode_service.background_prefill import parse_nice
 from decode_service.engine import DecodeEngine, EngineConfig
 from decode_service.kv_pull import KVPuller, PrefillChannels
 from decode_service.server import DecodeServicer
@@ -85,10 +85,11 @@ def _add_local_prefill_args(p) -> None:
                    metavar="N", help="a prompt prefilled here runs N tokens at a time, one piece "
                    "between two decode steps, so running sequences wait for one piece instead of "
                    "the whole prefill; 0: the whole prompt at once")
-    p.add_argument("--local-prefill-nice", type=int, default=None, metavar="N",
+    p.add_argument("--local-prefill-nice", default=None, metavar="N|idle",
                    help="run local prefills (short prompts the router keeps here, aggregated "
                    "mode's prompts) on a thread of their own at OS nice N (0-19) beside the "
-                   "decode steps, which keep most of the core (nice 5: ~3/4) so that running "
+                   "decode steps, which keep most of the core (nice 5: ~3/4; 'idle': Linux's "
+                   "SCHED_IDLE, all of it while a step runs) so that running "
                    "streams' inter-token gaps grow by a share instead of by whole pieces "
                    "(decode_service/background_prefill.py); default: pieces between the steps "
                    "(the TPOT and TTFT targets below apply only then; --itl-target-ms paces "
@@ -127,7 +128,7 @@ def build(args):
         raise SystemExit(f"--prefill-chunk-tokens must be >= 0 (0: no chunking), got "
                          f"{args.prefill_chunk_tokens}")
     try:
-        check_nice(args.local_prefill_nice)
+        args.local_prefill_nice = parse_nice(args.local_prefill_nice)
     except ValueError as exc:
         raise SystemExit(f"--local-prefill-nice: {exc}") from None
     nc = worker.decode_neuron_config(opts, args.max_batch_size, args.kv_blocks, args.block_size,

@@ -136,6 +136,19 @@ def _server_args(g) -> None:
                    help="disaggregated: the prefill worker's --max-overtaken-seconds")
 
 
+def _nice(text: str) -> int | str:
+    """--decode-local-prefill-nice: an integer nice value 0-19 or "idle" (SCHED_IDLE)."""
+    if text == "idle":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 19] or 'idle', got {text!r}")
+    return value
+
+
 def _local_prefill_args(g) -> None:
     """compare: the disaggregated router's local prefill rule and our decode workers' pieces."""
     g.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
@@ -159,9 +172,10 @@ def _local_prefill_args(g) -> None:
                    help="our decode workers size each local prefill piece beside running "
                         "sequences so that the step stays within this inter-token gap "
                         "(default: off, every piece --prefill-chunk-tokens)")
-    g.add_argument("--decode-local-prefill-nice", type=int, default=None, metavar="N",
+    g.add_argument("--decode-local-prefill-nice", type=_nice, default=None, metavar="N|idle",
                    help="our decode workers run local prefills on a thread of their own at OS "
-                        "nice N beside the decode steps (default: pieces between the steps)")
+                        "nice N (0-19) or SCHED_IDLE ('idle') beside the decode steps (default: "
+                        "pieces between the steps)")
     g.add_argument("--decode-ttft-target", type=float, default=None, metavar="SECONDS",
                    help="with --decode-itl-target: our decode workers make a local prefill "
                         "piece larger where waiting local prompts would otherwise miss this "

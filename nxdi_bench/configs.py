@@ -51,7 +51,7 @@ class ServeSettings:
     decode_tpot_target_s: float | None = None  # ours: decode workers' --tpot-target-ms
     decode_itl_target_s: float | None = None  # ours: decode workers' --itl-target-ms
     decode_ttft_target_s: float | None = None  # ours: decode workers' --ttft-target-ms
-    decode_local_prefill_nice: int | None = None  # ours: decode workers' --local-prefill-nice
+    decode_local_prefill_nice: int | str | None = None  # ours: decode workers' --local-prefill-nice
     prefill_order: str | None = None  # disaggregated: the prefill worker's --order
     prefill_max_overtaken_s: float | None = None  # ... and its --max-overtaken-seconds
     startup_timeout_s: float = 900.0

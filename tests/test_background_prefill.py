@@ -12,7 +12,7 @@ import pytest
 
 import hf_reference
 from decode_service import main
-from decode_service.background_prefill import check_nice
+from decode_service.background_prefill import check_nice, parse_nice
 from hf_reference import greedy
 from nxdi_common.serving.types import DecodeJob, SamplingOptions, StopOptions
 
@@ -162,6 +162,31 @@ def test_the_thread_runs_at_the_nice_value_and_bad_values_are_refused(tiny_chat_
             check_nice(bad)
     with pytest.raises(SystemExit, match="--local-prefill-nice"):
         build(tiny_chat_model, "--local-prefill-nice", "25")
+    for bad in ("high", "5.5", ""):
+        with pytest.raises(SystemExit, match=r"--local-prefill-nice: .*\[0, 19\] or 'idle'"):
+            build(tiny_chat_model, "--local-prefill-nice", bad)
+    assert parse_nice("idle") == "idle" and parse_nice("3") == 3 and parse_nice(None) is None
+
+
+def test_idle_puts_the_thread_under_sched_idle_and_it_still_prefills(tiny_chat_model,
+                                                                     reference):
+    """--local-prefill-nice idle: the thread runs under SCHED_IDLE (the compute thread does
+    not), and a prompt given to it is prefilled and decoded to transformers' tokens."""
+    engine = build(tiny_chat_model, "--local-prefill-nice", "idle")
+    try:
+        tid = engine._background._thread.native_id
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(tid) != os.SCHED_IDLE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert os.sched_getscheduler(threading.get_native_id()) != os.SCHED_IDLE
+        prompt, out = list(range(7, 7 + 70)), []
+        seq = admit(engine, "idle", prompt, 6, out)
+        turn_until(engine, lambda: seq.finished)
+        assert [o.token_id for o in out] == greedy(reference, prompt, 6)
+        assert engine.blocks.num_used_blocks == 0
+    finally:
+        engine.stop()
 
 
 def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(

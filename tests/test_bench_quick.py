@@ -145,6 +145,13 @@ def test_prefill_order_flags_reach_only_the_disaggregated_prefill_worker():
     assert spec.decode_args[-2:] == ["--local-prefill-nice", "5"]
     assert "--local-prefill-nice" not in our_launch_spec("disaggregated",
                                                          ServeSettings()).decode_args
+    idle = cli._compare_settings(cli.build_parser().parse_args(
+        ["compare", "--decode-local-prefill-nice", "idle"])).serve
+    assert our_launch_spec("disaggregated", idle).decode_args[-2:] == [
+        "--local-prefill-nice", "idle"]
+    for bad in ("20", "-1", "low"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["compare", "--decode-local-prefill-nice", bad])
 
 
 def test_replicated_runs_one_decode_worker_per_cpu_and_is_not_in_the_default_set():
