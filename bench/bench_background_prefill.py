@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_tkg_step as tkg  # noqa: E402
-from decode_service.background_prefill import set_priority  # noqa: E402
+from decode_service.background_prefill import StepPacer, set_priority  # noqa: E402
 from nxdi_common.serving.compute import use_torch_threads  # noqa: E402
 from nxdi_common.serving.worker import ModelOptions, decode_neuron_config, load_model  # noqa: E402
 
@@ -54,30 +54,45 @@ def prefill_loop(model, nice: int | str | None, stop: threading.Event, pieces: l
             k += 1
 
 
-def decode_for(model, lengths: list[int], seconds: float, pace: float = 0.0) -> list[float]:
-    """The gaps between decode steps' ends (what a stream sees) over `seconds`; with `pace`,
-    a step starts at most once per `pace` seconds (the engine's paced steps)."""
-    times, end = [], time.perf_counter() + seconds
-    last = began = time.perf_counter()
+def decode_for(model, lengths: list[int], seconds: float, pace: float = 0.0):
+    """Over `seconds`: the gaps between decode steps' ends (what a stream sees), the steps'
+    own times, and how late each paced wake-up came; with `pace`, the steps are paced as the
+    engine paces them (StepPacer: gaps within `pace`, the time between to the prefill)."""
+    gaps, steps, late, end = [], [], [], time.perf_counter() + seconds
+    pacer = StepPacer(pace) if pace else None
+    last = time.perf_counter()
     with torch.no_grad():
         while time.perf_counter() < end:
-            if pace:
-                time.sleep(max(0.0, began + pace - time.perf_counter()))
+            if pacer is not None and (wait := pacer.pause_s(time.perf_counter())) > 0:
+                due = time.perf_counter() + wait
+                time.sleep(wait)
+                late.append(max(0.0, time.perf_counter() - due))
             began = time.perf_counter()
             tkg.step(model, lengths)
             done = time.perf_counter()
-            times.append(done - last)
+            if pacer is not None:
+                pacer.done(began, done)
+            gaps.append(done - last)
+            steps.append(done - began)
             last = done
-    return times
+    return gaps, steps, late
 
 
-def report(name: str, times: list[float], pieces: int, seconds: float) -> None:
-    steps = sorted(times)
-    def at(q):
-        return steps[min(len(steps) - 1, int(q * len(steps)))] * 1e3 if steps else float("nan")
-    print(f"{name:>16}: steps {len(steps):4d}, p50 {at(0.5):6.1f} p90 {at(0.9):6.1f} p99 "
-          f"{at(0.99):6.1f} max {at(1.0):6.1f} ms; prefill {pieces * PIECE / seconds:5.0f} tok/s",
-          flush=True)
+def _at(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
+
+
+def report(name: str, timed, pieces: int, seconds: float) -> None:
+    gaps, steps, late = timed
+    line = (f"{name:>16}: gaps {len(gaps):4d}, p50 {_at(gaps, 0.5):6.1f} p90 {_at(gaps, 0.9):6.1f}"
+            f" p99 {_at(gaps, 0.99):6.1f} max {_at(gaps, 1.0):6.1f} ms; prefill "
+            f"{pieces * PIECE / seconds:5.0f} tok/s")
+    if gaps:
+        line += f"; step p50/p99 {_at(steps, 0.5):.1f}/{_at(steps, 0.99):.1f} ms"
+    if late:
+        line += f"; wake-up late p50/p99 {_at(late, 0.5):.2f}/{_at(late, 0.99):.2f} ms"
+    print(line, flush=True)
 
 
 def main(argv=None) -> int:
@@ -106,7 +121,7 @@ def main(argv=None) -> int:
         thread.start()
         if nice is None:
             time.sleep(args.seconds)
-            times = []
+            times = [], [], []
         else:
             times = decode_for(model, lengths, args.seconds, args.pace_ms / 1e3)
         stop.set()

@@ -85,7 +85,7 @@ from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving import types as t
 from nxdi_common.serving.errors import Overloaded
 from nxdi_common.serving.rates import PrefillRate, moving_average
-from decode_service.background_prefill import BackgroundPrefill, check_nice
+from decode_service.background_prefill import BackgroundPrefill, StepPacer, check_nice
 from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
 from decode_service.sequence import Sequence
 from nxdi_common.serving.sampling import (host_logits, model_global_topk, request_generator,
@@ -179,7 +179,8 @@ class DecodeEngine:
         self._local_mark: float | None = None
         self._background = (None if config.local_prefill_nice is None
                             else BackgroundPrefill(self, config.local_prefill_nice))
-        self._step_began = 0.0  # perf_counter() when the last decode step began (_pace_s)
+        self._pacer = (None if config.itl_target_s is None or self._background is None
+                       else StepPacer(config.itl_target_s))  # _pace_s
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -354,12 +355,11 @@ class DecodeEngine:
 
     def _pace_s(self) -> float:
         """With local prefill on its own thread and an ITL target: seconds to wait before the
-        next decode step so that steps start no more often than once per target while a local
-        prefill runs (the time between goes to it); 0 otherwise."""
-        target = self.config.itl_target_s
-        if self._background is None or target is None or not len(self._background):
+        next decode step while a local prefill runs, so that the gaps between steps' ends stay
+        within the target and the time between goes to the prefill (StepPacer); 0 otherwise."""
+        if self._pacer is None or not len(self._background):
             return 0.0
-        return self._step_began + target - time.perf_counter()
+        return self._pacer.pause_s(time.perf_counter())
 
     def _plan_piece(self) -> tuple[Sequence, int, int]:
         """The next local prefill piece: (sequence, start, end) of its prompt positions."""
@@ -462,8 +462,10 @@ class DecodeEngine:
         for group in groups:
             self._guarded(self._decode_step, group, group)
         if groups:
-            self._step_began = began  # an empty batch is no step: the pace does not restart
-            self.step_s = moving_average(self.step_s, time.perf_counter() - began)
+            ended = time.perf_counter()
+            if self._pacer is not None:  # an empty batch is no step: the pace does not restart
+                self._pacer.done(began, ended)
+            self.step_s = moving_average(self.step_s, ended - began)
             self.step_measured_ns = time.monotonic_ns()
             if self.metrics is not None:
                 self.metrics.decode_steps_total.inc()

@@ -12,7 +12,7 @@ import pytest
 
 import hf_reference
 from decode_service import main
-from decode_service.background_prefill import check_nice, parse_nice
+from decode_service.background_prefill import StepPacer, check_nice, parse_nice
 from hf_reference import greedy
 from nxdi_common.serving.types import DecodeJob, SamplingOptions, StopOptions
 
@@ -95,8 +95,8 @@ def test_streams_step_while_a_prompt_is_prefilled_beside_them(tiny_chat_model, r
 
 
 def test_an_itl_target_paces_the_steps_while_a_local_prefill_runs(tiny_chat_model):
-    """--itl-target-ms with the thread: while a prompt's piece runs a step starts at most once
-    per 40 ms (the time between is the prefill's); with no local prefill, no pause."""
+    """--itl-target-ms with the thread: while a prompt's piece runs the steps are paced to end
+    ~40 ms apart (the time between is the prefill's); with no local prefill, no pause."""
     engine = build(tiny_chat_model, "--itl-target-ms", "40")
     try:
         times = []
@@ -123,6 +123,24 @@ def test_an_itl_target_paces_the_steps_while_a_local_prefill_runs(tiny_chat_mode
         assert engine._pace_s() == 0.0
     finally:
         engine.stop()
+
+
+def test_the_pacer_keeps_the_gaps_between_step_ends_within_the_target():
+    """A step starts the target less the longest recent step after the last one ended, so a
+    step as long as the longest recent one ends exactly a target after the previous end."""
+    pacer = StepPacer(0.050, window=3)
+    assert pacer.pause_s(now=5.0) == 0.0  # no step yet
+    ended = 0.0
+    for began, length in ((0.0, 0.010), (0.5, 0.020), (1.0, 0.012)):
+        ended = began + length
+        pacer.done(began, ended)
+    assert pacer.pause_s(now=ended) == pytest.approx(0.050 - 0.020)
+    assert pacer.pause_s(now=ended + 0.040) == pytest.approx(-0.010)  # late: start now
+    for began in (2.0, 3.0, 4.0):  # the 20 ms step leaves the window
+        pacer.done(began, began + 0.011)
+    assert pacer.pause_s(now=4.011) == pytest.approx(0.050 - 0.011)
+    pacer.done(5.0, 5.060)  # a step longer than the target: no pause at all
+    assert pacer.pause_s(now=5.060) < 0
 
 
 def test_a_sequence_dropped_mid_piece_is_released_after_the_piece(tiny_chat_model):
