@@ -1,5 +1,5 @@
 """A decode worker's local prefills on a thread of their own, beside the decode steps
-(``--local-prefill-nice N``).
+(``--local-prefill-nice N`` or ``idle``).
 
 Inline (the default), the engine runs a local prefill's pieces on its compute thread between
 decode steps or inside them (mixed steps), so every running stream waits out each piece: a
@@ -10,6 +10,12 @@ goes on stepping; the kernel shares the core between the two by weight (nice 5 l
 steps ~3/4 of it, nice 10 ~9/10), so a stream's gaps grow by that share instead of by whole
 pieces, and a core with no decode step to run goes to the prefill whole. The pieces are whole
 chunks (--prefill-chunk-tokens) or whole prompts, at their full efficiency.
+
+With "idle" the thread runs under SCHED_IDLE: while a decode step runs the step has the core
+(the kernel preempts the thread at once when the compute thread wakes), so the split is the
+engine's to make: with an ITL target the steps are paced (StepPacer) and the thread gets the
+time between them, all of the core while no stream runs. A nice value splits by weight during
+the steps too: at nice 5 an 8-row step went from 15 to 20 ms (BENCHMARKS.md, session 42).
 
 Threads: the compute thread keeps the scheduler and every sequence's state; this thread only
 computes a sequence's prompt into the blocks admission gave it (its own model calls: the

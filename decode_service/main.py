@@ -93,8 +93,9 @@ def _add_local_prefill_args(p) -> None:
                    "streams' inter-token gaps grow by a share instead of by whole pieces "
                    "(decode_service/background_prefill.py); default: pieces between the steps "
                    "(the TPOT and TTFT targets below apply only then; --itl-target-ms paces "
-                   "the steps instead: while a local prefill runs a step starts at most once per "
-                   "MS, the time between going to the prefill)")
+                   "the steps instead: while a local prefill runs the steps end about MS apart, "
+                   "the time between going to the prefill; with 'idle' that is all the prefill "
+                   "gets while streams run)")
     p.add_argument("--tpot-target-ms", type=float, default=None, metavar="MS",
                    help="a local prefill piece waits while it would put a running sequence over "
                    "this time per output token that it would otherwise meet (e.g. the TPOT SLO); "
