@@ -6,15 +6,14 @@ worker's --local-prefill-nice trades (decode_service/background_prefill.py).
                                                           [--pace-ms 0]
 
 Loads the bundled model as a one-thread decode worker does (bf16, block KV cache, compiled,
-256-token pieces) and reports the gaps between decode steps (p50 / p90 / p99 / max) of --rows rows of
---length cached positions: alone, then beside a thread running 256-token prompt pieces at
-each --nice value; and the prefill's tokens per second alone and beside the steps. With --pace-ms the
-steps beside the prefill are paced as the engine paces them (--itl-target-ms). Pin it to
-one core (taskset) to see one core shared, as a disaggregated decode worker's is."""
+256-token pieces) and reports the gaps between decode steps (p50 / p90 / p99 / max) of --rows
+rows of --length cached positions: alone, then beside a thread running 256-token prompt pieces
+at each --nice value; and the prefill's tokens per second alone and beside the steps. With
+--pace-ms the steps beside the prefill are paced as the engine paces them (--itl-target-ms).
+Pin it to one core (taskset) to see one core shared, as a disaggregated decode worker's is."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 import time
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_tkg_step as tkg  # noqa: E402
-from decode_service.background_prefill import StepPacer, set_priority  # noqa: E402
+from decode_service.background_prefill import StepPacer, parse_nice, set_priority  # noqa: E402
 from nxdi_common.serving.compute import use_torch_threads  # noqa: E402
 from nxdi_common.serving.worker import ModelOptions, decode_neuron_config, load_model  # noqa: E402
 
@@ -103,7 +102,8 @@ def main(argv=None) -> int:
     p.add_argument("--nice", nargs="+", default=["0", "5", "10"],
                    help="nice values, or 'idle' (SCHED_IDLE), for the prefill thread")
     p.add_argument("--pace-ms", type=float, default=0.0,
-                   help="with a prefill thread, start a step at most once per this many ms")
+                   help="beside a prefill thread, pace the steps to end this many ms apart "
+                        "(StepPacer, as the engine's --itl-target-ms)")
     args = p.parse_args(argv)
     use_torch_threads(1)
     opts = ModelOptions(threads=1)
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
             tkg.step(model, lengths)
             model.forward(**piece_args(0))
     report("decode alone", decode_for(model, lengths, args.seconds), 0, args.seconds)
-    for nice in [None, *(n if n == "idle" else int(n) for n in args.nice)]:
+    for nice in [None, *map(parse_nice, args.nice)]:
         stop, pieces = threading.Event(), []
         thread = threading.Thread(target=prefill_loop, args=(model, nice, stop, pieces))
         thread.start()

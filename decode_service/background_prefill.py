@@ -32,8 +32,6 @@ import threading
 import time
 from collections import deque
 
-from nxdi_common.serving.compute import use_torch_threads
-
 log = logging.getLogger(__name__)
 NICE_RANGE = (0, 19)  # an unprivileged process may only lower its threads' priority
 IDLE = "idle"  # SCHED_IDLE: the thread runs only while nothing else of ours wants the core
@@ -52,10 +50,13 @@ def check_nice(nice: int | str | None) -> int | str | None:
 def parse_nice(text: str | None) -> int | str | None:
     """The command line's --local-prefill-nice text as check_nice takes it; ValueError naming the
     setting for anything else."""
+    if text is None or text == IDLE:
+        return text
     try:
-        return check_nice(text if text in (None, IDLE) else int(text))
+        value: int | str = int(text)
     except ValueError:
-        return check_nice(text)  # not an integer: the setting's message
+        value = text  # refused by check_nice, with the setting's message
+    return check_nice(value)
 
 
 def set_priority(nice: int | str) -> None:
@@ -158,7 +159,8 @@ class BackgroundPrefill:
             return seq
 
     def _run(self) -> None:
-        use_torch_threads(1)
+        from nxdi_common.serving.compute import use_torch_threads  # torch: this module is not
+        use_torch_threads(1)  # (nxdi-bench validates --decode-local-prefill-nice with it)
         try:
             set_priority(self.nice)
         except (AttributeError, OSError) as exc:  # not Linux-like: it runs at the same priority

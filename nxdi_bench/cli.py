@@ -17,6 +17,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from decode_service.background_prefill import parse_nice
 from nxdi_bench.arrivals import ARRIVAL_KINDS
 from nxdi_bench.client import LoadTarget
 from nxdi_common.bucketing import parse_buckets
@@ -137,16 +138,11 @@ def _server_args(g) -> None:
 
 
 def _nice(text: str) -> int | str:
-    """--decode-local-prefill-nice: an integer nice value 0-19 or "idle" (SCHED_IDLE)."""
-    if text == "idle":
-        return text
+    """--decode-local-prefill-nice: what the decode worker's --local-prefill-nice takes."""
     try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 19:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 19] or 'idle', got {text!r}")
-    return value
+        return parse_nice(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _local_prefill_args(g) -> None:
