@@ -80,7 +80,7 @@ def test_bf16_weights_come_in_pairs_where_the_kernel_multiplies_them_natively():
     assert pack_panels(torch.ones(16, 4).half()).shape == (1, 4, 16)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 8, 9, 16, 33, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 33, 40])
 @pytest.mark.parametrize("in_features", [77, 64])
 def test_pairs_give_the_panels_results_bit_for_bit(ops, rows, in_features):
     """The same sums in the same order from either layout: bf16 x on the dot products (its
@@ -181,7 +181,7 @@ def test_product_is_the_rounded_exact_product(ops, rows, wdtype):
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("rows", [1, 8, 16, 40])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 40])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 def test_products_split_over_threads_equal_one_thread(ops, torch_threads, threads, rows, wdtype):
     """Products whose tasks of four panels the threads cannot share evenly (576 outputs: nine

@@ -60,6 +60,7 @@ constexpr int64_t kRowBlockBytes = 256 * 1024;  // float32 input rows a task kee
 constexpr int64_t kWidenRows = kMR + 1;  // from this many rows a panel is widened once (run)
 constexpr int kDotMR = 8;  // rows per tile of the bf16 dot-product path (run_dot)
 constexpr int kOnTheFlyRows = 32;  // up to this many rows run_dot interleaves panels in the tiles
+constexpr int kOneStreamRows = 4;  // up to this many rows run_dot reads one stream (dot_tile)
 
 struct Problem {
   int64_t M, K, N, P;  // rows, inputs, outputs, panels
@@ -198,10 +199,15 @@ struct PanelPairs {
 // AMD Zen 4, the 121 products of a decode step, one thread (bench_projections.py, two runs each
 // way): 8 rows 18.8-19.2 -> 15.6-16.0 ms, 16 rows 30.6-32.4 -> 25.9-27.1; 1 row unchanged
 // (13.8-14.7). In a sweep of distances 2 KB gained less and 8-16 KB less again; prefetcht0 less.
-// One row (a batch-1 step) reads one panel at a time with no software prefetch: a single
-// sequential stream that the hardware prefetchers follow best (one thread, 141 MB of panels,
-// alternating runs: 20.0-20.6 GB/s, against 17.1-17.9 with two prefetched panels, 14.6 with one
-// prefetched panel, and 20-25 for a float32 sum over the same bytes).
+// Up to kOneStreamRows rows (a batch-1 step, and the batches of 2-4 a lightly loaded decode
+// worker runs) read one panel at a time with no software prefetch: a single sequential stream
+// that the hardware prefetchers follow best (one row, one thread, 141 MB of panels, alternating
+// runs: 20.0-20.6 GB/s, against 17.1-17.9 with two prefetched panels, 14.6 with one prefetched
+// panel, and 20-25 for a float32 sum over the same bytes). Until session 43 only one row did:
+// the 121 products of 2 / 3 / 4 rows took 12.2-12.9 / 13.2 / 12.3-14.4 ms as two prefetched
+// panels, 9.3-10.7 / 9.8-10.7 / 10.2-11.2 as one stream, and 12.2-14.2 as one prefetched panel
+// (bench_projections.py, one thread, pairs, alternating runs); from 6 rows on two prefetched
+// panels win (8 rows 11.6-12.7 against 14.4-15.4); 5 rows were even.
 constexpr int64_t kPrefetchBytes = 4096;
 
 template <int MR, int NP>
@@ -272,7 +278,7 @@ void dot_panel_rows(const Problem& pb, const uint32_t* xp, const BF16* panels, b
                     const BF16* residual, BF16* out, std::vector<float>& scratch) {
   const int64_t npairs = (pb.K + 1) / 2;
   PanelPairs w_at[2];
-  const bool prefetch = pb.M > 1;  // one row: one stream, no software prefetch (see dot_tile)
+  const bool prefetch = pb.M > kOneStreamRows;  // few rows: one stream, no prefetch (dot_tile)
   const int64_t stride = paired ? npairs * 2 * kNR : pb.K * kNR;  // values a panel
   for (int q = 0; q < np; ++q) {
     const BF16* panel = panels + (p + q) * stride;
@@ -359,7 +365,7 @@ const uint32_t* pack_pairs(const BF16* x, int64_t M, int64_t K, std::vector<uint
 
 void run_dot(const Problem& pb, const BF16* x, const BF16* panels, bool paired,
              const BF16* bias, const BF16* residual, BF16* out) {
-  const int step = pb.M == 1 ? 1 : 2;  // one row: one panel at a time (dot_tile)
+  const int step = pb.M <= kOneStreamRows ? 1 : 2;  // few rows: one panel at a time (dot_tile)
   std::vector<uint32_t> packed;
   const uint32_t* xp = pack_pairs(x, pb.M, pb.K, packed);
   for_each_task(pb, sizeof(BF16), kDotMR, step, [&](int64_t p, int np, int64_t m0, int64_t m1,
