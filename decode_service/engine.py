@@ -49,6 +49,15 @@ with it) would finish every waiting prompt, in the order they run, within the ta
 arrival; the largest when none would. Without it, at 0.5 req/s on `mixed` long local prompts
 missed a 4 s TTFT in 16-token pieces while the running streams' TPOT had 70% to spare.
 
+With a held first token (``EngineConfig.hold_first_token``, the worker's --hold-first-token) a
+prompt's first token is sent when its sequence joins the running batch, right before the step
+that makes its second, instead of as soon as it is known (from the prefill worker's stream, or
+at a local prefill's last piece). Sent at once, its gap to the second token holds the rest of
+the KV transfer, the KV's write into the cache, the wait for the running step and a step: at 1
+req/s on `mixed` the median first gap was 29 ms where the median gap was 17, and first gaps were
+about half of the gaps over the p99 (BENCHMARKS.md, session 42). Held, that gap is one step, and
+the time to first token grows by what it no longer holds.
+
 KV blocks are taken on demand: admission reserves the prompt and its first generated token, and
 before each step a running sequence whose next token's position lies past its blocks gets one
 more. Reserving prompt + max_tokens up front (until 2026-11-26 the only rule, still
@@ -124,6 +133,9 @@ class EngineConfig:
     # beside the decode steps (decode_service/background_prefill.py); None: pieces between the
     # steps, on the compute thread (the targets above apply only then).
     local_prefill_nice: int | str | None = None
+    # Send a prompt's first token when its sequence joins the running batch, right before the
+    # step that makes its second token, instead of as soon as it is known (module doc).
+    hold_first_token: bool = False
 
     def __post_init__(self):
         check_nice(self.local_prefill_nice)
@@ -237,7 +249,8 @@ class DecodeEngine:
                            OutputText(self.tokenizer, job.stop.stop_strings,
                                       job.stop.skip_special_tokens,
                                       job.stop.include_stop_str_in_output), self.eos_ids, emit,
-                           request_generator(job.sampling.seed), constraint=constraint)
+                           request_generator(job.sampling.seed), constraint=constraint,
+                           hold_first=self.config.hold_first_token)
             self._live[rid] = seq
         if self.metrics is not None and not seq.scored:  # a prompt to score is computed whole
             self.metrics.prefix_cache_hit_tokens_total.inc(seq.num_cached_tokens)
@@ -474,10 +487,19 @@ class DecodeEngine:
     def _next_batch(self) -> list[Sequence]:
         """The running batch of this step (scheduler.next_batch), every sequence with a block for
         the token it feeds in: a sequence that needs a block when none is free makes the newest
-        running one (maybe itself) give up its blocks (module doc)."""
+        running one (maybe itself) give up its blocks (module doc). A sequence joining with its
+        first token held (hold_first_token) sends it now."""
         batch = self.scheduler.next_batch()
-        if self.config.reserve_max_tokens:
-            return batch
+        if not self.config.reserve_max_tokens:
+            self._grow_blocks(batch)
+            batch = [seq for seq in batch if seq.slot >= 0]
+        for seq in batch:
+            if seq.held is not None:
+                seq.release_first()
+        return batch
+
+    def _grow_blocks(self, batch: list[Sequence]) -> None:
+        """A block for each sequence's next token, preempting where none is free."""
         for seq in sorted(batch, key=lambda s: s.wait_order):  # the first keep their blocks
             while seq.slot >= 0:
                 try:
@@ -488,7 +510,6 @@ class DecodeEngine:
                 except OutOfBlocks:
                     self._preempt(max(self.scheduler.running.values(),
                                       key=lambda s: s.wait_order))
-        return [seq for seq in batch if seq.slot >= 0]
 
     def _preempt(self, seq: Sequence) -> None:
         """Copy the running sequence's KV out, free its blocks and park it (_swap_in_waiting)."""

@@ -64,6 +64,11 @@ def parse_args(argv=None):
                    default=EngineConfig.split_call_cost_row_tokens, metavar="ROW_TOKENS",
                    help="fixed cost of one more token-generation call, in row-tokens of "
                    "attention: a step runs short and long sequences apart when that saves more")
+    p.add_argument("--hold-first-token", action="store_true",
+                   help="send a prompt's first token when its sequence joins the running batch, "
+                   "one step before its second, instead of as soon as the prefill has it: the "
+                   "first inter-token gap is then one step, not the KV transfer, the wait for "
+                   "the batch and a step, and the time to first token grows by as much")
     _add_local_prefill_args(p.add_argument_group("local prefill"))
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES)
     p.add_argument("--kv-socket", choices=("on", "off"), default="on",
@@ -145,7 +150,8 @@ def build(args):
                           *(None if ms is None else ms / 1000 for ms in (
                               args.tpot_target_ms, args.itl_target_ms, args.ttft_target_ms)),
                           reserve_max_tokens=args.reserve_max_tokens,
-                          local_prefill_nice=args.local_prefill_nice)
+                          local_prefill_nice=args.local_prefill_nice,
+                          hold_first_token=args.hold_first_token)
     engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
                           metrics, runner=compute)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))

@@ -42,6 +42,10 @@ class Sequence:
     # the prompt's scores (prompt_logprobs), sent with the first token: from the prefill
     # worker, or gathered piece by piece by a local prefill
     prompt_logprobs: tuple = ()
+    # hold the first token's event until the sequence joins the running batch (release_first;
+    # the engine's hold_first_token), unless that token ends it
+    hold_first: bool = False
+    held: t.TokenOutput | None = None  # the first token's event, while held
 
     @property
     def request_id(self) -> str:
@@ -110,9 +114,20 @@ class Sequence:
                 reason = t.STOP_STRING
         self.finish_reason = reason
         index = len(self.generated) - 1
-        self.emit(t.TokenOutput(self.request_id, token_id, index, text, logprob,
-                                tuple(top_logprobs), reason, self._usage(reason),
-                                tuple(self.prompt_logprobs) if index == 0 else ()))
+        out = t.TokenOutput(self.request_id, token_id, index, text, logprob, tuple(top_logprobs),
+                            reason, self._usage(reason),
+                            tuple(self.prompt_logprobs) if index == 0 else ())
+        if index == 0 and self.hold_first and reason is None:
+            self.held = out
+        else:
+            self.emit(out)
+
+    def release_first(self) -> None:
+        """Emit the held first token (hold_first): the sequence is joining the running batch, so
+        its second token is one step away."""
+        if self.held is not None:
+            out, self.held = self.held, None
+            self.emit(out)
 
     def fail(self, exc: Exception) -> None:
         """End the sequence with an error; the request's stream ends with its status."""

@@ -172,6 +172,9 @@ def _local_prefill_args(g) -> None:
                    help="our decode workers run local prefills on a thread of their own at OS "
                         "nice N (0-19) or SCHED_IDLE ('idle') beside the decode steps (default: "
                         "pieces between the steps)")
+    g.add_argument("--decode-hold-first-token", action="store_true",
+                   help="our decode workers send a prompt's first token when it joins the "
+                        "running batch, one step before its second (--hold-first-token)")
     g.add_argument("--decode-ttft-target", type=float, default=None, metavar="SECONDS",
                    help="with --decode-itl-target: our decode workers make a local prefill "
                         "piece larger where waiting local prompts would otherwise miss this "
@@ -300,6 +303,7 @@ def _compare_settings(args):
                           decode_itl_target_s=args.decode_itl_target,
                           decode_ttft_target_s=args.decode_ttft_target,
                           decode_local_prefill_nice=args.decode_local_prefill_nice,
+                          decode_hold_first_token=args.decode_hold_first_token,
                           prefill_order=args.prefill_order,
                           prefill_max_overtaken_s=args.prefill_max_overtaken)
     if args.cpus:

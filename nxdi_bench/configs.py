@@ -52,6 +52,7 @@ class ServeSettings:
     decode_itl_target_s: float | None = None  # ours: decode workers' --itl-target-ms
     decode_ttft_target_s: float | None = None  # ours: decode workers' --ttft-target-ms
     decode_local_prefill_nice: int | str | None = None  # ours: decode workers' --local-prefill-nice
+    decode_hold_first_token: bool = False  # ours: decode workers' --hold-first-token
     prefill_order: str | None = None  # disaggregated: the prefill worker's --order
     prefill_max_overtaken_s: float | None = None  # ... and its --max-overtaken-seconds
     startup_timeout_s: float = 900.0
@@ -74,6 +75,8 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
         decode_args += ["--ttft-target-ms", f"{s.decode_ttft_target_s * 1000:g}"]
     if s.decode_local_prefill_nice is not None:
         decode_args += ["--local-prefill-nice", str(s.decode_local_prefill_nice)]
+    if s.decode_hold_first_token:
+        decode_args += ["--hold-first-token"]
     common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
                   compiled_root=s.compiled_root, quantize=s.quantize, decode_args=decode_args,
                   context_buckets=s.context_buckets,

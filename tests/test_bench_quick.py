@@ -152,6 +152,11 @@ def test_prefill_order_flags_reach_only_the_disaggregated_prefill_worker():
     for bad in ("20", "-1", "low"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["compare", "--decode-local-prefill-nice", bad])
+    held = cli._compare_settings(cli.build_parser().parse_args(
+        ["compare", "--decode-hold-first-token"])).serve
+    for name in ("disaggregated", "aggregated"):
+        assert our_launch_spec(name, held).decode_args[-1] == "--hold-first-token"
+        assert "--hold-first-token" not in our_launch_spec(name, ServeSettings()).decode_args
 
 
 def test_replicated_runs_one_decode_worker_per_cpu_and_is_not_in_the_default_set():

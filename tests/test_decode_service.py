@@ -471,6 +471,50 @@ def test_unreachable_prefill_falls_back_to_local_when_asked(decode, reference):
     wait_for_idle(decode.grpc)
 
 
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_held_first_token_is_sent_as_its_sequence_joins_the_batch(
+        spawn_module, tiny_chat_model, prefill_worker, reference, hold):
+    """--hold-first-token: a prompt's first token reaches the client when its sequence joins the
+    running batch. With one batch slot held by a long stream A, B's first token (prefilled by
+    the prefill worker, then by the decode worker itself) comes only after A's last; without the
+    flag it comes while A still runs. Every stream is transformers' greedy tokens either way."""
+    decode = spawn_module("decode_service", "--model", tiny_chat_model, "--dtype", "float32",
+                          "--backend", "eager", "--threads", "1", "--max-model-len", MAX_LEN,
+                          "--kv-blocks", 24, "--block-size", 16, "--max-batch-size", 1,
+                          *(["--hold-first-token"] if hold else []))
+    long_ids = PROMPTS[0]
+
+    async def a_then_b(b_ids, remote):
+        arrivals = []  # (stream, token index), in the order they reached us
+        async with grpc.aio.insecure_channel(decode.grpc) as channel:
+            stub = pb_grpc.DecodeStub(channel)
+
+            async def stream(name, req, started=None):
+                tokens = []
+                async for e in stub.Generate(req):
+                    arrivals.append((name, e.index))
+                    tokens.append(e.token_id)
+                    if started is not None and len(tokens) == 2:
+                        started.set()
+                return tokens
+
+            started = asyncio.Event()
+            a = asyncio.create_task(stream("a", request("a", long_ids, 240), started))
+            await started.wait()
+            b_req = request("b", b_ids, 8)
+            if remote:
+                b_req.prefill_candidates.append(prefill_worker.grpc)
+            b = await stream("b", b_req)
+            return await a, b, arrivals
+
+    for b_ids, remote in ((list(range(9200, 9240)), True), (list(range(9300, 9330)), False)):
+        a, b, arrivals = run(a_then_b(b_ids, remote))
+        assert a == greedy(reference, long_ids, 240) and b == greedy(reference, b_ids, 8)
+        b_first, a_last = arrivals.index(("b", 0)), arrivals.index(("a", 239))
+        assert (b_first > a_last) == hold, (remote, arrivals[:20])
+        wait_for_idle(decode.grpc)
+
+
 @pytest.fixture(scope="module", params=["sdpa", "paged"])
 def decode_mixed(request, spawn_module, tiny_chat_model):
     """A decode worker per attention path; with sdpa it runs short and long sequences apart
