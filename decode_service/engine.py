@@ -56,7 +56,9 @@ at a local prefill's last piece). Sent at once, its gap to the second token hold
 the KV transfer, the KV's write into the cache, the wait for the running step and a step: at 1
 req/s on `mixed` the median first gap was 29 ms where the median gap was 17, and first gaps were
 about half of the gaps over the p99 (BENCHMARKS.md, session 42). Held, that gap is one step, and
-the time to first token grows by what it no longer holds.
+the time to first token grows by what it no longer holds: in session 43 the first gap's median
+at 1 req/s went 30 -> 14 ms with TTFT's median unchanged, but the p99 gap at goodput stayed
+25-27 ms (its tail is the steps themselves and the delivery) and the unloaded p99 fell with it.
 
 KV blocks are taken on demand: admission reserves the prompt and its first generated token, and
 before each step a running sequence whose next token's position lies past its blocks gets one
@@ -494,8 +496,7 @@ class DecodeEngine:
             self._grow_blocks(batch)
             batch = [seq for seq in batch if seq.slot >= 0]
         for seq in batch:
-            if seq.held is not None:
-                seq.release_first()
+            seq.release_first()  # nothing unless it joins now with its first token held
         return batch
 
     def _grow_blocks(self, batch: list[Sequence]) -> None:
