@@ -14,7 +14,9 @@ chunks (--prefill-chunk-tokens) or whole prompts, at their full efficiency.
 With "idle" the thread runs under SCHED_IDLE: while a decode step runs the step has the core
 (the kernel preempts the thread at once when the compute thread wakes), so the split is the
 engine's to make: with an ITL target the steps are paced (StepPacer) and the thread gets the
-time between them, all of the core while no stream runs. A nice value splits by weight during
+time between them, all of the core while no stream runs; with a TTFT target too, the engine
+stretches the gap where the local prompts' deadlines need it, by the rate this thread's pieces go
+at per second of its own CPU time (``core_rate``: what the whole core would give). A nice value splits by weight during
 the steps too: at nice 5 an 8-row step went from 15 to 20 ms (BENCHMARKS.md, session 42).
 
 Threads: the compute thread keeps the scheduler and every sequence's state; this thread only
@@ -31,6 +33,8 @@ import os
 import threading
 import time
 from collections import deque
+
+from nxdi_common.serving.rates import PrefillRate
 
 log = logging.getLogger(__name__)
 NICE_RANGE = (0, 19)  # an unprivileged process may only lower its threads' priority
@@ -93,11 +97,13 @@ class StepPacer:
         self._recent.append(ended - began)
         self._ended = ended
 
-    def pause_s(self, now: float) -> float:
-        """Seconds to wait before the next step (<= 0: start it now)."""
+    def pause_s(self, now: float, target_s: float | None = None) -> float:
+        """Seconds to wait before the next step (<= 0: start it now); ``target_s``: the gap
+        to keep this time instead of the pacer's own (the engine stretches it for deadlines)."""
         if self._ended is None:
             return 0.0
-        return self._ended + self.target_s - max(self._recent) - now
+        target = self.target_s if target_s is None else target_s
+        return self._ended + target - max(self._recent) - now
 
 
 class BackgroundPrefill:
@@ -112,6 +118,9 @@ class BackgroundPrefill:
         self._cancelled = False  # _current was dropped while its piece ran
         self._stopping = False
         self._mark: float | None = None  # the local rate's clock (engine._measured_local)
+        # the rate of this thread's pieces per second of its own CPU time: what the prefill
+        # does with the whole core (the engine's stretched pace, _paced_gap_s)
+        self.core_rate = PrefillRate()
         self._thread = threading.Thread(target=self._run, name="local-prefill", daemon=True)
 
     def start(self) -> None:
@@ -146,6 +155,13 @@ class BackgroundPrefill:
         with self._cond:
             return len(self._waiting) + (self._current is not None)
 
+    def queued(self) -> list:
+        """The local prefills not done, in the order they run: the one whose piece runs now,
+        then the waiting ones as the engine orders them."""
+        with self._cond:
+            current = [] if self._current is None else [self._current]
+            return current + self.engine.local_order(self._waiting)
+
     def _take(self):
         """The next sequence to run a piece of (None when stopping); waits for one."""
         with self._cond:
@@ -168,11 +184,14 @@ class BackgroundPrefill:
         while (seq := self._take()) is not None:
             start, end = self.engine.next_piece(seq)
             out = error = None
+            cpu = time.thread_time()
             try:
                 out = self.engine.piece_output(seq, start, end)
             except Exception as exc:  # noqa: BLE001 - reported to the request
                 log.exception("%s: local prefill piece failed", seq.request_id)
                 error = exc
+            else:
+                self.core_rate.add(end - start, time.thread_time() - cpu)
             with self._cond:
                 self._current = None
                 cancelled = self._cancelled

@@ -49,6 +49,14 @@ with it) would finish every waiting prompt, in the order they run, within the ta
 arrival; the largest when none would. Without it, at 0.5 req/s on `mixed` long local prompts
 missed a 4 s TTFT in 16-token pieces while the running streams' TPOT had 70% to spare.
 
+With local prefill on its own thread (``EngineConfig.local_prefill_nice``, background_prefill)
+the ITL target paces the steps instead (StepPacer: the time between them is the prefill's), and
+a TTFT target stretches the paced gap where the local prompts need a larger share of the core to
+finish within it, at most PACE_STRETCH times the ITL target (_paced_gap_s). At 0.875 req/s on
+`mixed` (BENCHMARKS.md, session 44) an 18 ms target alone made three short local prompts miss
+a 4 s TTFT that 22 ms met; stretched for a 3.5 s target they met it, at a p99 gap of 22.6 ms
+against 24.1-25.1 at 22 ms (at goodput in sweeps: 23.4-24.8 against 25.1, for a higher TTFT).
+
 With a held first token (``EngineConfig.hold_first_token``, the worker's --hold-first-token) a
 prompt's first token is sent when its sequence joins the running batch, right before the step
 that makes its second, instead of as soon as it is known (from the prefill worker's stream, or
@@ -107,6 +115,9 @@ from nxdi_common.serving.detokenize import OutputText
 log = logging.getLogger(__name__)
 K, V = 0, 1
 STEP_REMEASURE_S = 1.0  # with a TPOT or ITL target: the oldest step time pieces are judged by
+# with an ITL and a TTFT target and paced steps: the longest gap _paced_gap_s stretches to, as
+# a multiple of the ITL target
+PACE_STRETCH = 1.5
 PIECE_COST_DECAY = 0.8  # the weight of earlier pieces in the measured seconds per token
 
 
@@ -122,11 +133,12 @@ class EngineConfig:
     # A running sequence's time per output token that local prefill pieces must not push it
     # over (module doc); None: a piece every step while a prompt waits.
     tpot_target_s: float | None = None
-    # The inter-token gap a piece sized for the running batch keeps its step within (module
-    # doc); None: every piece is prefill_chunk_size tokens.
+    # The inter-token gap a piece sized for the running batch keeps its step within, or with
+    # local prefill on its own thread the gap the steps are paced to (module doc); None: every
+    # piece is prefill_chunk_size tokens, and no pacing.
     itl_target_s: float | None = None
-    # The time to first token the ITL-sized pieces must not make a waiting local prefill miss
-    # (module doc); None: pieces are sized by the ITL target alone.
+    # The time to first token the ITL-sized pieces, or the paced gaps, must not make a waiting
+    # local prefill miss (module doc); None: they keep to the ITL target alone.
     ttft_target_s: float | None = None
     # Reserve blocks for prompt + max_tokens at admission (never preempts; fewer requests run
     # at once) instead of taking them as tokens come (module doc).
@@ -374,7 +386,25 @@ class DecodeEngine:
         within the target and the time between goes to the prefill (StepPacer); 0 otherwise."""
         if self._pacer is None or not len(self._background):
             return 0.0
-        return self._pacer.pause_s(time.perf_counter())
+        return self._pacer.pause_s(time.perf_counter(), self._paced_gap_s())
+
+    def _paced_gap_s(self) -> float:
+        """The gap the paced steps keep (module doc): the ITL target; with a TTFT target, longer
+        where the local prefills need a larger share of the core to finish within it, at most
+        PACE_STRETCH times the ITL target. A gap G leaves the prefill G - step of every G: at
+        its whole-core rate R (tokens per second of its own CPU time) it then goes at
+        R (1 - step / G), so a need of N tokens/s takes G = step / (1 - N / R). Prompts that
+        would miss even at the longest gap do not stretch it (their tokens still count ahead
+        of the later ones)."""
+        base, ttft = self.config.itl_target_s, self.config.ttft_target_s
+        rate, step = self._background.core_rate.tokens_per_s, self.step_s
+        if ttft is None or not rate or step is None or step >= base:
+            return base
+        longest = base * PACE_STRETCH
+        need = self._deadline_need(self._background.queued(), within=rate * (1 - step / longest))
+        if need <= rate * (1 - step / base):
+            return base
+        return min(longest, step / (1 - need / rate))
 
     def _plan_piece(self) -> tuple[Sequence, int, int]:
         """The next local prefill piece: (sequence, start, end) of its prompt positions."""
@@ -399,20 +429,28 @@ class DecodeEngine:
         order they run, would finish within the TTFT target of its arrival (module doc); the
         largest when none would. Prompts already past the target add their tokens, nothing
         more."""
-        target = self.config.ttft_target_s
         per_token = self.piece_s_per_token
-        if target is None or self.step_s is None or per_token is None:
+        if self.config.ttft_target_s is None or self.step_s is None or per_token is None:
             return size
-        now, tokens, need = time.monotonic_ns(), 0, 0.0  # need: prompt tokens per second
-        for seq in self._local_order():
-            tokens += self._prefill_left(seq)
-            left_s = target - (now - seq.arrival_ns) / 1e9
-            if left_s > 0:
-                need = max(need, tokens / left_s)
+        need = self._deadline_need(self._local_order())
         for c in self.sizes:
             if c >= size and c / (self.step_s + c * per_token) >= need:
                 return c
         return self.sizes[-1]
+
+    def _deadline_need(self, order: list[Sequence], within: float | None = None) -> float:
+        """Prompt tokens per second the local prefills in ``order`` (the order they run) need
+        to finish each within the TTFT target of its arrival: the most any of them needs. A
+        prompt already past the target, or needing more than ``within``, adds its tokens
+        ahead of the later ones, nothing more."""
+        target = self.config.ttft_target_s
+        now, tokens, need = time.monotonic_ns(), 0, 0.0
+        for seq in order:
+            tokens += self._prefill_left(seq)
+            left_s = target - (now - seq.arrival_ns) / 1e9
+            if left_s > 0 and (within is None or tokens / left_s <= within):
+                need = max(need, tokens / left_s)
+        return need
 
     def _piece_cost(self, tokens: int) -> float | None:
         """Seconds a piece of `tokens` adds to the running batch's step: the measured seconds

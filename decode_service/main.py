@@ -111,10 +111,10 @@ def _add_local_prefill_args(p) -> None:
                    "cost fits (the smallest if none does; a prompt always advances); default: "
                    "every piece --prefill-chunk-tokens")
     p.add_argument("--ttft-target-ms", type=float, default=None, metavar="MS",
-                   help="with --itl-target-ms: a local prefill piece is made larger where the "
-                   "waiting local prompts would otherwise miss this time to first token from "
-                   "their arrival (e.g. the TTFT SLO); default: pieces sized by the ITL target "
-                   "alone")
+                   help="with --itl-target-ms: a local prefill piece is made larger (with "
+                   "--local-prefill-nice: the paced gap longer, up to 1.5x the ITL target) where "
+                   "the waiting local prompts would otherwise miss this time to first token from "
+                   "their arrival (e.g. the TTFT SLO); default: the ITL target alone")
     p.add_argument("--piece-sizes", type=parse_buckets, default=None, metavar="N,N,...",
                    help="the lengths a local prefill piece is padded to (one chunked-prefill "
                    "and one mixed sub-model is built for each), ascending, ending at "

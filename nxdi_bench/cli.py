@@ -166,8 +166,9 @@ def _local_prefill_args(g) -> None:
                         "--slo-tpot value; default: off)")
     g.add_argument("--decode-itl-target", type=float, default=None, metavar="SECONDS",
                    help="our decode workers size each local prefill piece beside running "
-                        "sequences so that the step stays within this inter-token gap "
-                        "(default: off, every piece --prefill-chunk-tokens)")
+                        "sequences so that the step stays within this inter-token gap (with "
+                        "--decode-local-prefill-nice: pace the steps to it) (default: off, every "
+                        "piece --prefill-chunk-tokens)")
     g.add_argument("--decode-local-prefill-nice", type=_nice, default=None, metavar="N|idle",
                    help="our decode workers run local prefills on a thread of their own at OS "
                         "nice N (0-19) or SCHED_IDLE ('idle') beside the decode steps (default: "
@@ -177,8 +178,9 @@ def _local_prefill_args(g) -> None:
                         "running batch, one step before its second (--hold-first-token)")
     g.add_argument("--decode-ttft-target", type=float, default=None, metavar="SECONDS",
                    help="with --decode-itl-target: our decode workers make a local prefill "
-                        "piece larger where waiting local prompts would otherwise miss this "
-                        "time to first token (e.g. the --slo-ttft value; default: off)")
+                        "piece larger (the paced gap longer) where waiting local prompts would "
+                        "otherwise miss this time to first token (e.g. a little under "
+                        "--slo-ttft; default: off)")
 
 
 def _slo(args) -> SLO:

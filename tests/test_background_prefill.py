@@ -3,6 +3,7 @@ decode_service/background_prefill.py): the running streams keep stepping while a
 prefilled beside them, every stream still gets transformers' greedy tokens, a sequence dropped
 while its piece runs is released only after that piece, and the thread runs at the nice value
 asked for; on real processes (tiny model) a disaggregated pair serves with it."""
+import dataclasses
 import os
 import threading
 import time
@@ -141,6 +142,57 @@ def test_the_pacer_keeps_the_gaps_between_step_ends_within_the_target():
     assert pacer.pause_s(now=4.011) == pytest.approx(0.050 - 0.011)
     pacer.done(5.0, 5.060)  # a step longer than the target: no pause at all
     assert pacer.pause_s(now=5.060) < 0
+
+
+def test_a_ttft_target_stretches_the_paced_gap_as_far_as_the_local_prompts_need(
+        tiny_chat_model):
+    """With --ttft-target-ms as well, the paced gap G is the ITL target (20 ms) while the
+    prefill's share of the core, 1 - step / G, at its whole-core rate finishes every local
+    prompt within the target of its arrival; else step / (1 - need / rate), at most 1.5x the
+    ITL target; prompts past the target, or needing more than the longest gap gives, do not
+    stretch it; the pause before a step keeps the stretched gap."""
+    engine = build(tiny_chat_model, "--itl-target-ms", "20", "--ttft-target-ms", "4000")
+    try:
+        bg, now = engine._background, time.monotonic_ns()  # (the deadlines drift by ms)
+        engine.step_s = 0.010
+        bg.core_rate.add(100, 1.0)  # 100 tokens/s on the whole core: 50/s at a 20 ms gap
+        order = []
+        bg.queued = lambda: order  # the local prompts, in the order they run
+
+        def waiting(rid: str, tokens: int, left_s: float):
+            first = 1000 + 300 * "abcde".index(rid)
+            seq = engine.admit(DecodeJob(rid, tuple(range(first, first + tokens))), 4,
+                               lambda event: None)
+            seq.arrival_ns = now - int((4.0 - left_s) * 1e9)
+            return seq
+
+        assert engine._paced_gap_s() == 0.020  # nothing waits
+        order.append(waiting("a", 40, 1.0))  # 40/s: the 20 ms gap's 50/s will do
+        assert engine._paced_gap_s() == 0.020
+        order.append(waiting("b", 20, 1.0))  # 60/s: 10 ms / (1 - 0.6)
+        assert engine._paced_gap_s() == pytest.approx(0.025, rel=0.02)
+        order.append(waiting("c", 10, 1.0))  # 70/s: more than 30 ms gaps give (66.7/s)
+        assert engine._paced_gap_s() == pytest.approx(0.025, rel=0.02)  # c does not stretch it
+        order[0].arrival_ns = now - int(5e9)  # a is past the target: its tokens only count
+        order.append(waiting("d", 130, 2.0))  # a-d: 200 in 2 s, 100/s: hopeless as well
+        assert engine._paced_gap_s() == pytest.approx(0.025, rel=0.02)  # b's need still holds
+        del order[1:3]  # a (late) and d: 170 in 2 s, hopeless; nothing else needs more
+        assert engine._paced_gap_s() == 0.020
+        order[:] = [waiting("e", 64, 1.0)]  # 64/s: 10 ms / (1 - 0.64)
+        stretched = 0.010 / 0.36
+        assert engine._paced_gap_s() == pytest.approx(stretched, rel=0.02)
+        gate, entered, restore = hold_pieces(engine)
+        bg.submit(order[0])  # a local prefill under way: the steps are paced
+        assert entered.wait(30)
+        ended = time.perf_counter()
+        engine._pacer.done(ended - 0.010, ended)
+        assert engine._pace_s() == pytest.approx(stretched - 0.010, abs=0.002)
+        engine.config = dataclasses.replace(engine.config, ttft_target_s=None)  # ITL alone
+        assert engine._paced_gap_s() == 0.020
+        restore()
+        gate.set()
+    finally:
+        engine.stop()
 
 
 def test_a_sequence_dropped_mid_piece_is_released_after_the_piece(tiny_chat_model):
