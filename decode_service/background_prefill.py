@@ -15,9 +15,10 @@ With "idle" the thread runs under SCHED_IDLE: while a decode step runs the step 
 (the kernel preempts the thread at once when the compute thread wakes), so the split is the
 engine's to make: with an ITL target the steps are paced (StepPacer) and the thread gets the
 time between them, all of the core while no stream runs; with a TTFT target too, the engine
-stretches the gap where the local prompts' deadlines need it, by the rate this thread's pieces go
-at per second of its own CPU time (``core_rate``: what the whole core would give). A nice value splits by weight during
-the steps too: at nice 5 an 8-row step went from 15 to 20 ms (BENCHMARKS.md, session 42).
+stretches the gap where the local prompts' deadlines need it, by the rate this thread's pieces
+go at per second of its own CPU time (``core_rate``: what the whole core would give). A nice
+value splits by weight during the steps too: at nice 5 an 8-row step went from 15 to 20 ms
+(BENCHMARKS.md, session 42).
 
 Threads: the compute thread keeps the scheduler and every sequence's state; this thread only
 computes a sequence's prompt into the blocks admission gave it (its own model calls: the

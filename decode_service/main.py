@@ -7,7 +7,7 @@ import logging
 
 from decode_service import convert
 from decode_service.background_prefill import parse_nice
-from decode_service.engine import DecodeEngine, EngineConfig
+from decode_service.engine import PACE_STRETCH, DecodeEngine, EngineConfig
 from decode_service.kv_pull import KVPuller, PrefillChannels
 from decode_service.server import DecodeServicer
 from nxdi_common import kv_transfer
@@ -112,7 +112,8 @@ def _add_local_prefill_args(p) -> None:
                    "every piece --prefill-chunk-tokens")
     p.add_argument("--ttft-target-ms", type=float, default=None, metavar="MS",
                    help="with --itl-target-ms: a local prefill piece is made larger (with "
-                   "--local-prefill-nice: the paced gap longer, up to 1.5x the ITL target) where "
+                   f"--local-prefill-nice: the paced gap longer, up to {PACE_STRETCH:g}x the ITL "
+                   "target) where "
                    "the waiting local prompts would otherwise miss this time to first token from "
                    "their arrival (e.g. the TTFT SLO); default: the ITL target alone")
     p.add_argument("--piece-sizes", type=parse_buckets, default=None, metavar="N,N,...",
