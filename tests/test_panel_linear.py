@@ -169,6 +169,37 @@ def test_amx_tiles_can_be_turned_off_for_comparisons():
     assert amx == "False" and float(err) < 0.1
 
 
+def _stream_prefetch_run(env_value: str):
+    """(the library's stream-prefetch choice, products of 1-5 rows) in a process whose
+    NXDI_PANEL_STREAM_PREFETCH is env_value ("" leaves the default)."""
+    code = ("import torch; from nxdi_common import kernels; "
+            "from nxdi_common.modules.linear import pack_panels; "
+            "assert kernels.kernels_unavailable_reason() is None; "
+            "g = torch.Generator().manual_seed(0); "
+            "w = torch.randn(600, 577, generator=g).bfloat16(); p = pack_panels(w); "
+            "ys = [torch.ops.nxdi.panel_linear(torch.randn(m, 577, generator=g).bfloat16(), p, "
+            "600).float().tolist() for m in range(1, 6)]; "
+            "import json; print(json.dumps([torch.ops.nxdi.panel_stream_prefetch(), ys]))")
+    env = {**os.environ, "NXDI_PANEL_STREAM_PREFETCH": env_value}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not panel_pairs_native(), reason="the stream prefetch is the bf16 "
+                    "dot-product path's (CPUs with AVX512-BF16)")
+def test_few_row_products_prefetch_their_stream_on_intel_and_where_asked():
+    """Up to 4 rows read one stream of pairs; on Intel CPUs it is prefetched (one core reads
+    memory far slower there without; panel_linear.cpp), elsewhere not, and
+    NXDI_PANEL_STREAM_PREFETCH=0/1 decides where set. Either way the products are the same."""
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    default, on, off = (_stream_prefetch_run(v) for v in ("", "1", "0"))
+    assert default[0] is intel
+    assert on[0] is True and off[0] is False
+    assert on[1] == off[1] == default[1]
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 24, 30, 301])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_product_is_the_rounded_exact_product(ops, rows, wdtype):

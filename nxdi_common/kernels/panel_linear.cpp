@@ -200,7 +200,7 @@ struct PanelPairs {
 // way): 8 rows 18.8-19.2 -> 15.6-16.0 ms, 16 rows 30.6-32.4 -> 25.9-27.1; 1 row unchanged
 // (13.8-14.7). In a sweep of distances 2 KB gained less and 8-16 KB less again; prefetcht0 less.
 // Up to kOneStreamRows rows (a batch-1 step, and the batches of 2-4 a lightly loaded decode
-// worker runs) read one panel at a time with no software prefetch: a single sequential stream
+// worker runs) read one panel at a time, on AMD Zen 4 with no software prefetch: a single stream
 // that the hardware prefetchers follow best (one row, one thread, 141 MB of panels, alternating
 // runs: 20.0-20.6 GB/s, against 17.1-17.9 with two prefetched panels, 14.6 with one prefetched
 // panel, and 20-25 for a float32 sum over the same bytes). Until session 43 only one row did:
@@ -208,7 +208,28 @@ struct PanelPairs {
 // panels, 9.3-10.7 / 9.8-10.7 / 10.2-11.2 as one stream, and 12.2-14.2 as one prefetched panel
 // (bench_projections.py, one thread, pairs, alternating runs); from 6 rows on two prefetched
 // panels win (8 rows 11.6-12.7 against 14.4-15.4); 5 rows were even.
+// On Intel (a 2-vCPU Xeon, family 6 model 207, without AMX) the same single stream is read
+// faster with that prefetch than without: one core pulls far less from memory by itself than a
+// Zen 4 core (the bench_model probe: 12.4 GB/s on one thread, 18-24 on two) and the hardware
+// prefetchers alone leave it idle. The 121 products of a decode step, pairs on one huge-page
+// arena, separate processes alternating (/tmp spike, session 45): one row, one thread 25-43 ms
+// without, 19-24 with; one row, two threads 14.3-20.3 -> 11.1 ms (24 GB/s, what the probe
+// reads); four rows, two threads 22.3-30.6 -> 12.8-15.1. The distance mattered little there
+// (2-32 KB within noise; prefetcht0 even, prefetchnta 1.5x slower). So few rows prefetch on
+// Intel and not elsewhere (stream_prefetch).
 constexpr int64_t kPrefetchBytes = 4096;
+
+// Whether up to kOneStreamRows rows prefetch their one stream too: NXDI_PANEL_STREAM_PREFETCH=1
+// or 0 where set (read once), else on Intel CPUs only (above).
+bool stream_prefetch() {
+  static const bool on = [] {
+    const char* env = std::getenv("NXDI_PANEL_STREAM_PREFETCH");
+    if (env != nullptr && *env != '\0') return std::atoi(env) != 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return on;
+}
 
 template <int MR, int NP>
 void dot_tile(const uint32_t* xp, int64_t xs, const PanelPairs* w_at, int64_t K, float* c) {
@@ -278,7 +299,7 @@ void dot_panel_rows(const Problem& pb, const uint32_t* xp, const BF16* panels, b
                     const BF16* residual, BF16* out, std::vector<float>& scratch) {
   const int64_t npairs = (pb.K + 1) / 2;
   PanelPairs w_at[2];
-  const bool prefetch = pb.M > kOneStreamRows;  // few rows: one stream, no prefetch (dot_tile)
+  const bool prefetch = pb.M > kOneStreamRows || stream_prefetch();  // few: one stream (dot_tile)
   const int64_t stride = paired ? npairs * 2 * kNR : pb.K * kNR;  // values a panel
   for (int q = 0; q < np; ++q) {
     const BF16* panel = panels + (p + q) * stride;
@@ -648,6 +669,14 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
   m.def("panel_amx_tiles() -> bool", [] {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     return amx_tiles_run();
+#else
+    return false;
+#endif
+  });
+  // True where a product of up to 4 rows prefetches its one stream of bfloat16 pairs.
+  m.def("panel_stream_prefetch() -> bool", [] {
+#if defined(__AVX512BF16__)
+    return stream_prefetch();
 #else
     return false;
 #endif
