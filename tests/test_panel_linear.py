@@ -200,6 +200,44 @@ def test_few_row_products_prefetch_their_stream_on_intel_and_where_asked():
     assert on[1] == off[1] == default[1]
 
 
+def _fma_run(env_value: str):
+    """(the library's FMA row threshold, {rows: (x, w, y from pairs, y from panels)} for 1-40
+    rows and an odd K) in a process whose NXDI_PANEL_FMA_MIN_ROWS is env_value ("": default)."""
+    code = ("import io, sys, torch; from nxdi_common import kernels; "
+            "from nxdi_common.modules.linear import pack_panels; "
+            "assert kernels.kernels_unavailable_reason() is None; "
+            "g = torch.Generator().manual_seed(1); "
+            "w = torch.randn(40, 77, generator=g).bfloat16(); "
+            "pairs, panels = pack_panels(w, pairs=True), pack_panels(w, pairs=False); "
+            "xs = {m: torch.randn(m, 77, generator=g).bfloat16() "
+            "for m in (1, 3, 4, 5, 8, 9, 15, 16, 17, 33, 40)}; "
+            "out = {m: (x, torch.ops.nxdi.panel_linear(x, pairs, 40), "
+            "torch.ops.nxdi.panel_linear(x, panels, 40)) for m, x in xs.items()}; "
+            "buf = io.BytesIO(); torch.save([torch.ops.nxdi.panel_fma_min_rows(), w, out], buf); "
+            "sys.stdout.buffer.write(buf.getvalue())")
+    env = {**os.environ, "NXDI_PANEL_FMA_MIN_ROWS": env_value}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, env=env)
+    return torch.load(io.BytesIO(out.stdout))
+
+
+@pytest.mark.skipif(not panel_pairs_native(), reason="the FMA tiles are the bf16 dot-product "
+                    "path's (CPUs with AVX512-BF16)")
+def test_products_of_many_rows_run_on_float32_fmas_on_intel_and_where_asked():
+    """From NXDI_PANEL_FMA_MIN_ROWS rows (default 4 on Intel, where vdpbf16ps is half-rate; 0,
+    never, elsewhere) bf16 products widen the pairs to float32 and multiply on FMAs (tiles of up
+    to 16 rows): still the rounded exact product, the same from pairs as from panels, and the
+    same results as the dot products to float32 summation error."""
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    default, fma, dot = (_fma_run(v) for v in ("", "1", "0"))
+    assert default[0] == (4 if intel else 0) and fma[0] == 1 and dot[0] == 0
+    w = fma[1]
+    for rows, (x, from_pairs, from_panels) in fma[2].items():
+        assert torch.equal(from_pairs, from_panels), rows
+        assert_rounded_product(from_pairs, x, w)
+        assert torch.allclose(from_pairs.float(), dot[2][rows][1].float(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 24, 30, 301])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_product_is_the_rounded_exact_product(ops, rows, wdtype):

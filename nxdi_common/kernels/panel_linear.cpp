@@ -59,6 +59,7 @@ constexpr int64_t kPanelsPerTask = 4;  // a task: 64 output columns (for_each_ta
 constexpr int64_t kRowBlockBytes = 256 * 1024;  // float32 input rows a task keeps near the core
 constexpr int64_t kWidenRows = kMR + 1;  // from this many rows a panel is widened once (run)
 constexpr int kDotMR = 8;  // rows per tile of the bf16 dot-product path (run_dot)
+constexpr int kFmaMR = 16;  // rows per tile of its float32 FMA variant (one panel past kDotMR)
 constexpr int kOnTheFlyRows = 32;  // up to this many rows run_dot interleaves panels in the tiles
 constexpr int kOneStreamRows = 4;  // up to this many rows run_dot reads one stream (dot_tile)
 
@@ -231,9 +232,71 @@ bool stream_prefetch() {
   return on;
 }
 
-template <int MR, int NP>
-void dot_tile(const uint32_t* xp, int64_t xs, const PanelPairs* w_at, int64_t K, float* c) {
-  constexpr int kChains = MR * NP <= 3 ? 2 : 1;
+// Rows from which a product multiplies on float32 FMAs instead of the bf16 dot products
+// (NXDI_PANEL_FMA_MIN_ROWS, read once; 0 never): by default 0 except on Intel, where vdpbf16ps
+// is half-rate. This 2-vCPU Xeon (family 6 model 207, no AMX), one core, a chain-free loop of
+// each instruction on zmm registers (g++ -O2 -march=native, pinned): vdpbf16ps 1.31-1.33 G/s =
+// 83-85 GFLOPS, vfmadd231ps 5.31 G/s = 170 GFLOPS; on AMD Zen 4 the dot products ran 234 GFLOPS,
+// twice what its FMAs do. Widening a pair of bf16 panel rows to two float32 vectors is a shift
+// and an and (no shuffles), so a tile of 8 rows x 2 panels does 32 FMAs and 4 widening
+// operations a k pair where the dot products take 16 at half the rate. One product of 16 x 576
+// by 576 x 1536 in L2, one thread: 83-85 GFLOPS on the dot products, 138-142 on FMAs (8 x 2
+// tiles); 4 rows 73 -> 105-113, 2 rows even (64-67 against 58-64), hence from 4 rows. The 121
+// products of a decode step, two threads, alternating processes (bench_projections.py): 16 rows
+// 33.7-34.4 -> 21.1-27.7 ms, 64 rows 123-125 -> 70-84; a 512-token prefill in panels
+// (bench_prefill.py --skip-attention) 1718-1750 -> 1084-1318 ms, faster than oneDNN's 1535-1714.
+int64_t fma_min_rows() {
+  static const int64_t rows = [] {
+    const char* env = std::getenv("NXDI_PANEL_FMA_MIN_ROWS");
+    if (env != nullptr && *env != '\0') return std::max<int64_t>(0, std::atoll(env));
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0 ? int64_t{4} : int64_t{0};
+  }();
+  return rows;
+}
+
+// x's rows as the float32 FMA tiles read them: tiles of kFmaMR rows (the tile of rows m.. at
+// 2 * m * npairs), pair-major ([npairs][the tile's rows][2]), the pair (x[2i], x[2i + 1]) as
+// floats (an odd K's last one (x[K - 1], 0)), so that a tile broadcasts each value straight from
+// memory, no shuffle.
+const float* widen_rows(const c10::BFloat16* x, int64_t M, int64_t K, std::vector<float>& buf) {
+  const int64_t npairs = (K + 1) / 2;
+  buf.assign(2 * M * npairs, 0.f);
+  auto widen_tile = [&](int64_t m) {
+    const int64_t rows = std::min<int64_t>(kFmaMR, M - m);
+    float* dst = buf.data() + 2 * m * npairs;
+    for (int64_t r = 0; r < rows; ++r) {
+      const c10::BFloat16* row = x + (m + r) * K;
+      for (int64_t k = 0; k < K; ++k) dst[(k / 2) * rows * 2 + r * 2 + k % 2] = to_float(row[k]);
+    }
+  };
+  const int64_t tiles = (M + kFmaMR - 1) / kFmaMR;
+  if (M <= kOnTheFlyRows) {
+    for (int64_t t = 0; t < tiles; ++t) widen_tile(t * kFmaMR);
+  } else {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) widen_tile(t * kFmaMR);
+    });
+  }
+  return buf.data();
+}
+
+// Subnormal inputs and results flushed to zero while in scope, as vdpbf16ps does (and without
+// the microcode assists Intel's FMAs take on them otherwise).
+struct FlushSubnormals {
+  unsigned saved = _mm_getcsr();
+  FlushSubnormals() { _mm_setcsr(saved | 0x8040u); }  // FTZ | DAZ
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+};
+
+// With Fma false, xp is the packed uint32 pairs and the sums are vdpbf16ps's; with Fma true it is
+// x's pairs as floats (widen_rows) and each pair of panel rows is widened to two float32 vectors
+// (the even row a shift, the odd one an and) for two FMAs per row and panel, the odd one first
+// as vdpbf16ps sums them (on this Xeon the results were the dot products' bit for bit wherever
+// both kept the same chains). Up to 16 rows with one panel (16 sums), 8 with two.
+template <int MR, int NP, bool Fma>
+void dot_tile(const void* xp_in, int64_t xs, const PanelPairs* w_at, int64_t K, float* c) {
+  constexpr int kChains = Fma ? (MR * NP < 8 ? 2 : 1) : (MR * NP <= 3 ? 2 : 1);
   __m512 acc[kChains][MR][NP];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
@@ -244,13 +307,29 @@ void dot_tile(const uint32_t* xp, int64_t xs, const PanelPairs* w_at, int64_t K,
   const bool prefetch = w_at[0].prefetch;
   // One k pair (chain h): NP panels' pairs, each row's x pair broadcast from its packed place.
   auto step = [&](int64_t k, int h) __attribute__((always_inline)) {
-    __m512bh w[NP];
-    for (int q = 0; q < NP; ++q) w[q] = w_at[q](k);
-    const uint32_t* xk = xp + k * xs;
+    if constexpr (Fma) {
+      __m512 we[NP], wo[NP];
+      for (int q = 0; q < NP; ++q) {
+        const __m512i w = (__m512i)w_at[q](k);
+        we[q] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        wo[q] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536)));
+      }
+      const float* xk = static_cast<const float*>(xp_in) + 2 * k * xs;
 #pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[r]));
-      for (int q = 0; q < NP; ++q) acc[h][r][q] = _mm512_dpbf16_ps(acc[h][r][q], x, w[q]);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 xe = _mm512_set1_ps(xk[2 * r]), xo = _mm512_set1_ps(xk[2 * r + 1]);
+        for (int q = 0; q < NP; ++q)
+          acc[h][r][q] = _mm512_fmadd_ps(xe, we[q], _mm512_fmadd_ps(xo, wo[q], acc[h][r][q]));
+      }
+    } else {
+      __m512bh w[NP];
+      for (int q = 0; q < NP; ++q) w[q] = w_at[q](k);
+      const uint32_t* xk = static_cast<const uint32_t*>(xp_in) + k * xs;
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[r]));
+        for (int q = 0; q < NP; ++q) acc[h][r][q] = _mm512_dpbf16_ps(acc[h][r][q], x, w[q]);
+      }
     }
   };
   // The k pairs up to `end`, prefetching `skip` bytes past the line kPrefetchBytes ahead.
@@ -279,12 +358,17 @@ void dot_tile(const uint32_t* xp, int64_t xs, const PanelPairs* w_at, int64_t K,
     }
 }
 
-template <int... MRs>
-void dot_tile_rows(int rows, int np, const uint32_t* xp, const PanelPairs* w_at,
+template <bool Fma, int... MRs>
+void dot_tile_rows(int rows, int np, const void* xp, const PanelPairs* w_at,
                    int64_t K, float* c, std::integer_sequence<int, MRs...>) {
-  ((rows == MRs + 1 ? (np == 2 ? dot_tile<MRs + 1, 2>(xp, rows, w_at, K, c)
-                               : dot_tile<MRs + 1, 1>(xp, rows, w_at, K, c))
-                    : void()), ...);
+  auto one = [&](auto mr) {
+    constexpr int MR = decltype(mr)::value;
+    if constexpr (MR <= kDotMR) {
+      if (np == 2) return dot_tile<MR, 2, Fma>(xp, rows, w_at, K, c);
+    }
+    dot_tile<MR, 1, Fma>(xp, rows, w_at, K, c);
+  };
+  ((rows == MRs + 1 ? one(std::integral_constant<int, MRs + 1>{}) : void()), ...);
 }
 
 // np (1 or 2) panels from p times rows [m0, m1) of x (as pack_pairs packed it, xp). Up to
@@ -294,7 +378,9 @@ void dot_tile_rows(int rows, int np, const uint32_t* xp, const PanelPairs* w_at,
 // into `scratch` (K * 16 values a panel) and read by every tile of kDotMR rows.
 using BF16 = c10::BFloat16;
 // With `paired` weights (pairs layout) the tiles read the pairs from the weights themselves.
-void dot_panel_rows(const Problem& pb, const uint32_t* xp, const BF16* panels, bool paired,
+// Given xf (xp widened: widen_pairs) the tiles multiply on float32 FMAs (fma_min_rows).
+void dot_panel_rows(const Problem& pb, const uint32_t* xp, const float* xf, const BF16* panels,
+                    bool paired,
                     int64_t p, int np, int64_t m0, int64_t m1, const BF16* bias,
                     const BF16* residual, BF16* out, std::vector<float>& scratch) {
   const int64_t npairs = (pb.K + 1) / 2;
@@ -318,10 +404,24 @@ void dot_panel_rows(const Problem& pb, const uint32_t* xp, const BF16* panels, b
     }
   }
   float c[2 * kDotMR * kNR];
-  for (int64_t m = m0; m < m1; m += kDotMR) {
-    const int rows = static_cast<int>(std::min<int64_t>(kDotMR, m1 - m));
-    dot_tile_rows(rows, np, xp + m * npairs, w_at, pb.K, c,
-                  std::make_integer_sequence<int, kDotMR>{});
+  static_assert(kFmaMR * kNR <= 2 * kDotMR * kNR);
+  const int64_t tile = xf != nullptr ? kFmaMR : kDotMR;
+  for (int64_t m = m0; m < m1; m += tile) {
+    const int rows = static_cast<int>(std::min<int64_t>(tile, m1 - m));
+    if (xf == nullptr) {
+      dot_tile_rows<false>(rows, np, xp + m * npairs, w_at, pb.K, c,
+                           std::make_integer_sequence<int, kDotMR>{});
+    } else if (rows <= kDotMR) {
+      dot_tile_rows<true>(rows, np, xf + 2 * m * npairs, w_at, pb.K, c,
+                          std::make_integer_sequence<int, kDotMR>{});
+    } else {  // more rows than two panels' sums fit in registers: one panel at a time
+      for (int q = 0; q < np; ++q) {
+        dot_tile_rows<true>(rows, 1, xf + 2 * m * npairs, w_at + q, pb.K, c,
+                            std::make_integer_sequence<int, kFmaMR>{});
+        store_tile(c, rows, m, (p + q) * kNR, pb, bias, residual, out);
+      }
+      continue;
+    }
     for (int q = 0; q < np; ++q)
       store_tile(c + q * kDotMR * kNR, rows, m, (p + q) * kNR, pb, bias, residual, out);
   }
@@ -368,7 +468,7 @@ const uint32_t* pack_pairs(const BF16* x, int64_t M, int64_t K, std::vector<uint
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const BF16* row = x + (m + r) * K;
+      const c10::BFloat16* row = x + (m + r) * K;
       for (int64_t i = i0; i < K / 2; ++i) std::memcpy(dst + i * rows + r, row + 2 * i, 4);
       if (K % 2 != 0) dst[(npairs - 1) * rows + r] = row[K - 1].x;
     }
@@ -387,11 +487,16 @@ const uint32_t* pack_pairs(const BF16* x, int64_t M, int64_t K, std::vector<uint
 void run_dot(const Problem& pb, const BF16* x, const BF16* panels, bool paired,
              const BF16* bias, const BF16* residual, BF16* out) {
   const int step = pb.M <= kOneStreamRows ? 1 : 2;  // few rows: one panel at a time (dot_tile)
+  const bool fma = fma_min_rows() > 0 && pb.M >= fma_min_rows();
   std::vector<uint32_t> packed;
-  const uint32_t* xp = pack_pairs(x, pb.M, pb.K, packed);
-  for_each_task(pb, sizeof(BF16), kDotMR, step, [&](int64_t p, int np, int64_t m0, int64_t m1,
+  std::vector<float> widened;
+  const uint32_t* xp = fma ? nullptr : pack_pairs(x, pb.M, pb.K, packed);
+  const float* xf = fma ? widen_rows(x, pb.M, pb.K, widened) : nullptr;
+  for_each_task(pb, sizeof(BF16), fma ? kFmaMR : kDotMR, step, [&](int64_t p, int np, int64_t m0, int64_t m1,
                                                     auto& buf) {
-    dot_panel_rows(pb, xp, panels, paired, p, np, m0, m1, bias, residual, out, buf);
+    std::optional<FlushSubnormals> flush;
+    if (fma) flush.emplace();
+    dot_panel_rows(pb, xp, xf, panels, paired, p, np, m0, m1, bias, residual, out, buf);
   });
 }
 #endif  // __AVX512BF16__
@@ -679,6 +784,14 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
     return stream_prefetch();
 #else
     return false;
+#endif
+  });
+  // Rows from which bfloat16 products run on float32 FMAs (0: never; NXDI_PANEL_FMA_MIN_ROWS).
+  m.def("panel_fma_min_rows() -> int", [] {
+#if defined(__AVX512BF16__)
+    return fma_min_rows();
+#else
+    return int64_t{0};
 #endif
   });
   m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None, "
