@@ -3,6 +3,7 @@ table, reads nothing past a row's own position or outside its blocks, refuses ou
 ids and positions, and is chosen, recorded and loaded with compiled graphs as configured."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -119,18 +120,78 @@ def test_reads_only_each_rows_own_positions(op, dtype, dim, block_size, queries)
     assert (out.float() - ref.float()).abs().max() <= (2e-6 if dtype == torch.float32 else 2e-2)
 
 
-def test_bf16_runs_on_bf16_dot_products_where_the_cpu_has_them(op):
-    """On AVX512-BF16 CPUs a bf16 query and cache with a head size of 32, 64, 96 or 128 are
-    multiplied on vdpbf16ps, which flushes subnormal inputs to zero: values of 2^-130 average to
-    0 there and to 2^-130 on the float32 path (head size 48 here, and any other CPU). The
-    closeness and NaN tests above hold for both paths."""
+def _intel() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "GenuineIntel" in f.read()
+
+
+def _bf16_run(env_value: str, cases_file) -> list:
+    """The kernel's outputs for the cases (its arguments, scale last) saved in cases_file, in a
+    process whose NXDI_ATTENTION_BF16_DOT is env_value ("": the default; the library reads it
+    once)."""
+    code = ("import io, sys, torch; from nxdi_common import kernels; "
+            "op = kernels.paged_attention(); "
+            f"cases = torch.load({str(cases_file)!r}, weights_only=True); "
+            "buf = io.BytesIO(); torch.save([op(*c) for c in cases], buf); "
+            "sys.stdout.buffer.write(buf.getvalue())")
+    env = {**os.environ, "NXDI_ATTENTION_BF16_DOT": env_value}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, env=env)
+    return torch.load(io.BytesIO(out.stdout), weights_only=True)
+
+
+def test_bf16_runs_on_dot_products_or_float32_fmas_as_the_cpu_suits(tmp_path):
+    """A bf16 query and cache with a head size of 32, 64, 96 or 128 multiply on vdpbf16ps where
+    the CPU has AVX512-BF16 and is not Intel's (there it runs at a quarter of the FMAs' rate),
+    else on float32 FMAs; NXDI_ATTENTION_BF16_DOT=1/0 decides where set. vdpbf16ps flushes
+    subnormal inputs to zero: values of 2^-130 average to 0 there and to 2^-130 on the float32
+    paths (and at head size 48, the portable widening). Both paths match gather + SDPA."""
     dot_products = "avx512_bf16" in kernels.cpu_flags()
-    for dim, dot in ((64, dot_products), (128, dot_products), (48, False)):
+    dims = (32, 64, 96, 128, 48)
+    cases = []
+    for dim in dims:
         q, k, v, table, pos = case(4, torch.bfloat16, heads=9, kv_heads=3, dim=dim, block_size=16,
                                    width=4, positions=(0, 17, 40, 63))
-        v = torch.full_like(v, 2.0 ** -130)  # subnormal in bf16 and float32
-        out = op(q, k, v, table, pos, 0.125).float()
-        assert not out.any() if dot else bool((out > 0).all()), dim
+        cases += [(q, k, v, table, pos, 0.125),
+                  (q, k, torch.full_like(v, 2.0 ** -130), table, pos, 0.125)]
+    torch.save(cases, tmp_path / "cases.pt")
+    runs = {value: _bf16_run(value, tmp_path / "cases.pt") for value in ("", "0", "1")}
+    for value, outs in runs.items():
+        dot = dot_products and (value == "1" or (value == "" and not _intel()))
+        for i, dim in enumerate(dims):
+            (q, k, v, table, pos, _), tiny = cases[2 * i], outs[2 * i + 1].float()
+            assert (not tiny.any()) if dot and dim != 48 else bool((tiny > 0).all()), (value, dim)
+            err = (outs[2 * i].float() - reference(q, k, v, table, pos, 0.125).float()).abs().max()
+            assert err <= 2e-2, (value, dim, err)
+    expected_default = "1" if dot_products and not _intel() else "0"
+    assert all(torch.equal(a, b) for a, b in zip(runs[""], runs[expected_default]))
+
+
+def test_the_built_kernel_prefetches_the_next_block():
+    """Every attend_heads instantiation in the built library holds its prefetcht1 of the next
+    block: GCC once deleted the prefetch loops outright after an unrelated change, silently, and
+    the kernel took up to 1.5x the time from memory (paged_attention.cpp, prefetch_l2)."""
+    import shutil
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed")
+    path = kernels.library_path()
+    assert path is not None and path.is_file()
+    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(path)], check=True,
+                             capture_output=True, text=True).stdout
+    prefetches: dict[str, int] = {}
+    name = None
+    for line in listing.splitlines():
+        if line.endswith(">:") and " <" in line:
+            name = line.split(" <", 1)[1][:-2]
+            if name.startswith("_ZN12_GLOBAL__N_112attend_heads") and ".cold" not in name:
+                prefetches.setdefault(name, 0)
+            else:
+                name = None
+        elif name is not None and "prefetcht1" in line:
+            prefetches[name] += 1
+    assert prefetches, "no attend_heads instantiation found in the library"
+    assert all(prefetches.values()), [n for n, c in prefetches.items() if c == 0][:3]
 
 
 @pytest.mark.parametrize("dim", [24, 64])
@@ -312,15 +373,21 @@ def test_every_float8_value_reads_exactly(op, dim, q_dtype):
     assert torch.equal(got[~torch.isnan(want)], want[~torch.isnan(want)])  # -0 sums to +0
 
 
-def test_a_float8_cache_takes_the_bf16_path(op):
+def test_a_float8_cache_takes_the_bf16_path(tmp_path):
     """With a bf16 query a float8 cache is made bf16 as it is read (exactly, scaled by a power of
     two that the scores and the output take back), so its output equals, bit for bit, the
-    output over the same cache cast to bf16, on the bf16 dot products where the CPU has them
-    (head sizes 64 and 128; where it does not, both widen to float32 alike). Widening float8
-    to float32 instead (float32 products and probabilities) would not be equal."""
+    output over the same cache cast to bf16 on the bf16 dot products, where the CPU has them
+    (head sizes 64 and 128; where it does not, both widen to float32 alike; 48: the portable
+    widening). A bf16 cache takes those dot products where NXDI_ATTENTION_BF16_DOT=1 (by
+    default not on Intel; a float8 cache always does). Widening float8 to float32 instead
+    (float32 products and probabilities) would not be equal."""
+    cases = []
     for dim in (64, 128, 48):
         q, k, v, table, pos = case(5, torch.bfloat16, torch.float8_e4m3fn, heads=9, kv_heads=3,
                                    dim=dim, block_size=16, width=4, positions=(0, 17, 40, 63))
-        out = op(q, k, v, table, pos, dim ** -0.5)
-        cast = op(q, k.to(torch.bfloat16), v.to(torch.bfloat16), table, pos, dim ** -0.5)
-        assert torch.equal(out, cast), dim
+        cases += [(q, k, v, table, pos, dim ** -0.5),
+                  (q, k.to(torch.bfloat16), v.to(torch.bfloat16), table, pos, dim ** -0.5)]
+    torch.save(cases, tmp_path / "cases.pt")
+    outs = _bf16_run("1", tmp_path / "cases.pt")
+    for i, dim in enumerate((64, 128, 48)):
+        assert torch.equal(outs[2 * i], outs[2 * i + 1]), dim

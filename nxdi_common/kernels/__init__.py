@@ -161,6 +161,13 @@ def kernels_unavailable_reason() -> str | None:
         return _state["error"]
 
 
+def library_path() -> Path | None:
+    """The file of the kernel library this process loaded, or None where it is unavailable."""
+    if kernels_unavailable_reason() is not None:
+        return None
+    name = _build_name()
+    return kernel_cache_dir() / name / f"{name}.so"
+
 
 def paged_attention():
     """torch.ops.nxdi.paged_decode_attention, built and loaded; RuntimeError when it cannot be."""

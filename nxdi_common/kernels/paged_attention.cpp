@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -199,6 +200,58 @@ struct Avx512Ops : FloatTiles<Avx512Ops<NV>> {
   }
 };
 #endif
+
+// bf16 queries on a bf16 cache, head_dim = 32 * NZ, on float32 FMAs (Avx512Ops' tiles and
+// arithmetic) where the bf16 dot products are slow (bf16_dot_attention). Each 32 bf16 values
+// widen to two float32 vectors without a shuffle: the even ones by a shift of each 32-bit lane,
+// the odd ones by masking off its low half (vpmovzxwd, the portable widening, is a shuffle, on
+// the same port as the transposing reduction). Queries, K and V rows are all widened so (dims
+// in even-odd order within each 32); a dot product does not depend on the order, and store()
+// puts the values' sums back in order.
+template <int NZ>
+struct Bf16PairFmaOps : FloatTiles<Bf16PairFmaOps<NZ>> {
+  using BF16 = c10::BFloat16;
+  using Base = Avx512Ops<2 * NZ>;
+  using Row = typename Base::Row;
+  using Query = Row;
+  using Acc = Row;
+  Base base;
+  static __m512 even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+  static __m512 odd(__m512i x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  void load(const BF16* src, Row& r) const {
+    for (int z = 0; z < NZ; ++z) {
+      const __m512i x = _mm512_loadu_si512(src + 32 * z);
+      r.v[2 * z] = even(x), r.v[2 * z + 1] = odd(x);
+    }
+  }
+  void zero(Row& r) const { base.zero(r); }
+  void widen(const BF16* src, int64_t stride, int64_t count, float* dst) const {
+    for (int64_t o = 0; o < count; ++o)
+      for (int z = 0; z < NZ; ++z) {
+        const __m512i x = _mm512_loadu_si512(src + o * stride + 32 * z);
+        _mm512_store_ps(dst + (o * NZ + z) * 32, even(x));
+        _mm512_store_ps(dst + (o * NZ + z) * 32 + 16, odd(x));
+      }
+  }
+  void scores_tile(const float* tile, int64_t count, const Row& q, float scale, float* sc) const {
+    base.scores_tile(tile, count, q, scale, sc);
+  }
+  void accumulate_tile(const float* tile, int64_t count, const float* p, Row& acc) const {
+    base.accumulate_tile(tile, count, p, acc);
+  }
+  float softmax(float* sc, int64_t len) const { return base.softmax(sc, len); }
+  void store(const Row& r, float* out) const {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                         15, 31);
+    for (int z = 0; z < NZ; ++z) {
+      _mm512_storeu_ps(out + 32 * z, _mm512_permutex2var_ps(r.v[2 * z], lo, r.v[2 * z + 1]));
+      _mm512_storeu_ps(out + 32 * z + 16, _mm512_permutex2var_ps(r.v[2 * z], hi, r.v[2 * z + 1]));
+    }
+  }
+};
 
 #if defined(__AVX512BF16__)
 // 32 float8_e4m3fn values as the bf16 of each value times 2^-8, exactly: each byte (sign, 4
@@ -411,6 +464,13 @@ struct Segment {
   bool then_next_row = false;  // the task runs row b + 1 (all of it) next: prefetch its start
 };
 
+// prefetcht1 as an asm statement, which the compiler keeps. GCC 12 -O3 deleted attend_heads'
+// loops of __builtin_prefetch outright after unrelated changes around them (no prefetch
+// instruction left in the object; a runtime condition in the lambda was enough), and without
+// them the kernel took 1.34-1.50x the time from memory (Intel Xeon, two threads, 16 rows of 576
+// positions). tests/test_paged_attention.py checks the built library for them.
+inline void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
+
 // Row b, all KV heads (query head h reads KV head h / group): per token, each KV head's K (then
 // V) row is loaded once for all of its query heads and positions, and the row's blocks (of its
 // segment) are read front to back. Block ids and positions are checked where they are used.
@@ -480,7 +540,7 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
     const int64_t row_bytes = d * static_cast<int64_t>(sizeof(kv_t));
     for (int64_t o = t0; o < t0 + m; ++o) {
       const char* p = reinterpret_cast<const char*>(next + o * token_stride + hk * d);
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+      for (int64_t off = 0; off < row_bytes; off += 64) prefetch_l2(p + off);
     }
   };
   // The tile is 64-byte aligned: unaligned vector stores and reloads of it cost a third more.
@@ -635,6 +695,25 @@ struct Avx2Ops : FloatTiles<Avx2Ops<NV>> {
 };
 #endif
 
+// Whether bf16 queries on a bf16 cache run on the bf16 dot products (Bf16DotOps) rather than
+// on float32 FMAs (Bf16PairFmaOps): NXDI_ATTENTION_BF16_DOT=1/0 where set (read once), else
+// everywhere but Intel. On this project's Intel VM (Xeon family 6 model 207, no AMX) vdpbf16ps
+// runs at a quarter of vfmadd231ps' instruction rate (panel_linear.cpp, fma_min_rows) and the
+// FMAs won: one decode step's 30 layers (bench/bench_paged_op.py, a copy alternating the paths
+// in one process, 10-30 rounds) 16 rows x 576 positions from memory, two threads, 0.88x the
+// time; 2 rows in L2, one thread, 0.88x, and the shift-and-mask widening 0.965x of that again
+// against the portable widening (Avx512Ops). A float8 cache keeps the dot products everywhere:
+// widening float8 to float32 (load16) took 2.8x as long there.
+bool bf16_dot_attention() {
+  static const bool on = [] {
+    const char* env = std::getenv("NXDI_ATTENTION_BF16_DOT");
+    if (env != nullptr && *env != '\0') return std::atoi(env) != 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") == 0;
+  }();
+  return on;
+}
+
 // attend_heads with the fastest Ops for this head_dim.
 template <typename q_t, typename kv_t, typename... Args>
 void attend_heads_any(const Shapes& s, const q_t* q, const kv_t* k, const kv_t* v, Args... args) {
@@ -642,11 +721,22 @@ void attend_heads_any(const Shapes& s, const q_t* q, const kv_t* k, const kv_t* 
   if constexpr (std::is_same_v<q_t, c10::BFloat16> &&
                 (std::is_same_v<kv_t, c10::BFloat16> ||
                  std::is_same_v<kv_t, c10::Float8_e4m3fn>)) {
-    switch (s.dim) {
+    if (!std::is_same_v<kv_t, c10::BFloat16> || bf16_dot_attention()) switch (s.dim) {
       case 32: return attend_heads(Bf16DotOps<1, kv_t>{}, s, q, k, v, args...);
       case 64: return attend_heads(Bf16DotOps<2, kv_t>{}, s, q, k, v, args...);
       case 96: return attend_heads(Bf16DotOps<3, kv_t>{}, s, q, k, v, args...);
       case 128: return attend_heads(Bf16DotOps<4, kv_t>{}, s, q, k, v, args...);
+      default: break;
+    }
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {
+    switch (s.dim) {
+      case 32: return attend_heads(Bf16PairFmaOps<1>{}, s, q, k, v, args...);
+      case 64: return attend_heads(Bf16PairFmaOps<2>{}, s, q, k, v, args...);
+      case 96: return attend_heads(Bf16PairFmaOps<3>{}, s, q, k, v, args...);
+      case 128: return attend_heads(Bf16PairFmaOps<4>{}, s, q, k, v, args...);
       default: break;
     }
   }
