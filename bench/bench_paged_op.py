@@ -6,9 +6,9 @@ cache, so the step reads the cache from memory as a decode worker's does (--warm
 reads layer 0's cache, which stays in the CPU's caches).
 
     python bench/bench_paged_op.py [--threads 1] [--rows 8] [--length 1792] [--warm]
-                                   [--small-pages]
+                                   [--small-pages] [--steps 20]
 
-Prints the median step time over 20 after 2 warm-up steps and the cache bytes read per second."""
+Prints the median step time over --steps after 2 warm-up steps and the cache bytes read per second."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--length", type=int, default=1792)
     p.add_argument("--warm", action="store_true")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (the median is printed)")
     p.add_argument("--small-pages", action="store_true",
                    help="the caches on 4 KiB pages (torch's allocator), not huge pages")
     args = p.parse_args(argv)
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
 
     for _ in range(2):
         step()
-    seconds = statistics.median(step() for _ in range(20))
+    seconds = statistics.median(step() for _ in range(args.steps))
     read = LAYERS * args.rows * args.length * KV_HEADS * DIM * 2 * 2  # K and V, bf16
     print(f"threads {args.threads} rows {args.rows} length {args.length} "
           f"{'warm' if args.warm else 'from memory'}: {seconds * 1e3:.1f} ms a step "
