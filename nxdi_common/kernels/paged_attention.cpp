@@ -464,13 +464,6 @@ struct Segment {
   bool then_next_row = false;  // the task runs row b + 1 (all of it) next: prefetch its start
 };
 
-// prefetcht1 as an asm statement, which the compiler keeps. GCC 12 -O3 deleted attend_heads'
-// loops of __builtin_prefetch outright after unrelated changes around them (no prefetch
-// instruction left in the object; a runtime condition in the lambda was enough), and without
-// them the kernel took 1.34-1.50x the time from memory (Intel Xeon, two threads, 16 rows of 576
-// positions). tests/test_paged_attention.py checks the built library for them.
-inline void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
-
 // Row b, all KV heads (query head h reads KV head h / group): per token, each KV head's K (then
 // V) row is loaded once for all of its query heads and positions, and the row's blocks (of its
 // segment) are read front to back. Block ids and positions are checked where they are used.

@@ -338,8 +338,8 @@ void dot_tile(const void* xp_in, int64_t xs, const PanelPairs* w_at, int64_t K, 
       if (prefetch)  // a pair of panel rows is one 64-byte line
         for (int q = 0; q < NP; ++q)
           for (int h = 0; h < kChains; ++h)
-            __builtin_prefetch(reinterpret_cast<const char*>(w_at[q].panel + 2 * (i + h) * kNR) +
-                                   kPrefetchBytes + skip, 0, 2);
+            prefetch_l2(reinterpret_cast<const char*>(w_at[q].panel + 2 * (i + h) * kNR) +
+                        kPrefetchBytes + skip);
 #pragma GCC unroll 2
       for (int h = 0; h < kChains; ++h) step(i + h, h);
     }

@@ -24,6 +24,15 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
 template <typename T> inline T from_float(float x) { return static_cast<T>(x); }
 
+// prefetcht1 (into L2) as an asm statement, which the compiler keeps. GCC 12 -O3 deleted the
+// paged attention kernel's loops of __builtin_prefetch outright after unrelated edits around
+// them (a runtime condition in the lambda that held them was enough; no prefetch instruction
+// left in the object), and the kernel took 1.5x the time from memory (BENCHMARKS.md, session
+// 48). tests/test_paged_attention.py checks the built library for the kernels' prefetches.
+inline void prefetch_l2(const void* p) {
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+}
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
