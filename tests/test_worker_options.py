@@ -99,15 +99,24 @@ def test_prefill_workers_pack_bf16_weights_for_onednn(monkeypatch, tmp_path):
     """A prefill worker only encodes prompts, where oneDNN's packed weights beat the panels that
     "auto" picks for models that also decode: its bfloat16 weights go to oneDNN wherever oneDNN
     packs bfloat16, and its compiled model uses them; float32, int8 and CPUs where oneDNN cannot
-    keep "auto", and so does every decode worker."""
+    keep "auto", and so does every decode worker. So do CPUs where our panels multiply on
+    float32 FMAs without AMX (Intel Xeons listing no AMX), where they encode faster than oneDNN;
+    with AMX tiles oneDNN is kept."""
+    from nxdi_common import kernels
     from nxdi_common.modules import linear
     monkeypatch.setattr(linear, "onednn_unavailable_reason", lambda dtype: None)
+    monkeypatch.setattr(kernels, "panel_fma_rows", lambda: 0)
     bf16 = worker.ModelOptions(max_model_len=96)
     assert worker.prefill_neuron_config(bf16, 2, 1).cpu_weight_layout == "onednn"
     assert worker.decode_neuron_config(bf16, 4, 64, 16).cpu_weight_layout == "auto"
     for opts in (worker.ModelOptions(max_model_len=96, dtype="float32"),
                  worker.ModelOptions(max_model_len=96, quantize="int8")):
         assert worker.prefill_neuron_config(opts, 2, 1).cpu_weight_layout == "auto"
+    monkeypatch.setattr(kernels, "panel_fma_rows", lambda: 4)
+    monkeypatch.setattr(kernels, "panel_amx_tiles", lambda: False)
+    assert worker.prefill_neuron_config(bf16, 2, 1).cpu_weight_layout == "auto"
+    monkeypatch.setattr(kernels, "panel_amx_tiles", lambda: True)
+    assert worker.prefill_neuron_config(bf16, 2, 1).cpu_weight_layout == "onednn"
     monkeypatch.setattr(linear, "onednn_unavailable_reason", lambda dtype: "no oneDNN here")
     assert worker.prefill_neuron_config(bf16, 2, 1).cpu_weight_layout == "auto"
     monkeypatch.undo()
@@ -121,8 +130,9 @@ def test_prefill_workers_pack_bf16_weights_for_onednn(monkeypatch, tmp_path):
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
     opts = worker.ModelOptions(model=str(tmp_path / "ckpt"), max_model_len=64,
                                compiled_root=str(tmp_path / "compiled"))
+    fma_panels = kernels.panel_fma_rows() > 0 and not kernels.panel_amx_tiles()
     model = worker.load_model(opts, worker.prefill_neuron_config(opts, 2, 1))
-    assert model.weight_layout == "onednn"
+    assert model.weight_layout == ("panels" if fma_panels else "onednn")
     ids = torch.randint(0, 128, (1, 20))
     ref = LlamaForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
     with torch.no_grad():

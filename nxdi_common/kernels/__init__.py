@@ -161,6 +161,16 @@ def kernels_unavailable_reason() -> str | None:
         return _state["error"]
 
 
+def panel_fma_rows() -> int:
+    """From how many rows our panel kernel multiplies bfloat16 pairs on float32 FMAs (0: never):
+    by default 4 on Intel CPUs with AVX512-BF16 (where vdpbf16ps is half-rate), else 0;
+    NXDI_PANEL_FMA_MIN_ROWS decides where set (kernels/panel_linear.cpp). 0 where the library is
+    unavailable or not built for AVX512-BF16."""
+    if kernels_unavailable_reason() is not None or not torch.ops.nxdi.panel_pairs_native():
+        return 0
+    return int(torch.ops.nxdi.panel_fma_min_rows())
+
+
 def library_path() -> Path | None:
     """The file of the kernel library this process loaded, or None where it is unavailable."""
     if kernels_unavailable_reason() is not None:

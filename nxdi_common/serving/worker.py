@@ -170,12 +170,21 @@ def prefill_weight_layout(opts: ModelOptions) -> str:
     1536 and 1.35x at 2048 on one core of the Intel VM with AMX (bench/bench_prefill.py,
     BENCHMARKS.md session 23), and the prefill products ran 2-6% faster on the AMD Zen 4 VM
     (session 13). So "onednn" for bfloat16 weights wherever oneDNN packs them, else
-    "auto" (without bf16 support oneDNN cannot; int8 weights keep their own kernels)."""
+    "auto" (without bf16 support oneDNN cannot; int8 weights keep their own kernels). Except
+    where our panels multiply many rows on float32 FMAs without AMX (Intel Xeons that list no
+    AMX, kernels.panel_fma_rows()): there oneDNN has no AMX either, and the panels encoded 512,
+    1024 and 1792-token prompts in 0.64-0.79x, 0.67-0.69x and 0.73-0.74x of oneDNN's time on
+    one core (bench/bench_prefill.py --cpu 1, BENCHMARKS.md session 48), so "auto"."""
     import torch
     if opts.dtype != "bfloat16" or opts.quantize:
         return "auto"
+    from nxdi_common import kernels
     from nxdi_common.modules.linear import onednn_unavailable_reason
-    return "onednn" if onednn_unavailable_reason(torch.bfloat16) is None else "auto"
+    if onednn_unavailable_reason(torch.bfloat16) is not None:
+        return "auto"
+    if kernels.panel_fma_rows() > 0 and not kernels.panel_amx_tiles():
+        return "auto"
+    return "onednn"
 
 
 def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: int,
