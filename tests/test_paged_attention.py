@@ -120,11 +120,6 @@ def test_reads_only_each_rows_own_positions(op, dtype, dim, block_size, queries)
     assert (out.float() - ref.float()).abs().max() <= (2e-6 if dtype == torch.float32 else 2e-2)
 
 
-def _intel() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return "GenuineIntel" in f.read()
-
-
 def _bf16_run(env_value: str, cases_file) -> list:
     """The kernel's outputs for the cases (its arguments, scale last) saved in cases_file, in a
     process whose NXDI_ATTENTION_BF16_DOT is env_value ("": the default; the library reads it
@@ -156,13 +151,13 @@ def test_bf16_runs_on_dot_products_or_float32_fmas_as_the_cpu_suits(tmp_path):
     torch.save(cases, tmp_path / "cases.pt")
     runs = {value: _bf16_run(value, tmp_path / "cases.pt") for value in ("", "0", "1")}
     for value, outs in runs.items():
-        dot = dot_products and (value == "1" or (value == "" and not _intel()))
+        dot = dot_products and (value == "1" or (value == "" and not kernels.cpu_is_intel()))
         for i, dim in enumerate(dims):
             (q, k, v, table, pos, _), tiny = cases[2 * i], outs[2 * i + 1].float()
             assert (not tiny.any()) if dot and dim != 48 else bool((tiny > 0).all()), (value, dim)
             err = (outs[2 * i].float() - reference(q, k, v, table, pos, 0.125).float()).abs().max()
             assert err <= 2e-2, (value, dim, err)
-    expected_default = "1" if dot_products and not _intel() else "0"
+    expected_default = "1" if dot_products and not kernels.cpu_is_intel() else "0"
     assert all(torch.equal(a, b) for a, b in zip(runs[""], runs[expected_default]))
 
 

@@ -192,8 +192,7 @@ def test_few_row_products_prefetch_their_stream_on_intel_and_where_asked():
     """Up to 4 rows read one stream of pairs; on Intel CPUs it is prefetched (one core reads
     memory far slower there without; panel_linear.cpp), elsewhere not, and
     NXDI_PANEL_STREAM_PREFETCH=0/1 decides where set. Either way the products are the same."""
-    with open("/proc/cpuinfo") as f:
-        intel = "GenuineIntel" in f.read()
+    intel = kernels.cpu_is_intel()
     default, on, off = (_stream_prefetch_run(v) for v in ("", "1", "0"))
     assert default[0] is intel
     assert on[0] is True and off[0] is False
@@ -227,8 +226,7 @@ def test_products_of_many_rows_run_on_float32_fmas_on_intel_and_where_asked():
     never, elsewhere) bf16 products widen the pairs to float32 and multiply on FMAs (tiles of up
     to 16 rows): still the rounded exact product, the same from pairs as from panels, and the
     same results as the dot products to float32 summation error."""
-    with open("/proc/cpuinfo") as f:
-        intel = "GenuineIntel" in f.read()
+    intel = kernels.cpu_is_intel()
     default, fma, dot = (_fma_run(v) for v in ("", "1", "0"))
     assert default[0] == (4 if intel else 0) and fma[0] == 1 and dot[0] == 0
     w = fma[1]

@@ -69,6 +69,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split()) if line else frozenset()
 
 
+@functools.cache
+def cpu_is_intel() -> bool:
+    """True on Intel CPUs (vendor GenuineIntel in /proc/cpuinfo), where the kernels' defaults
+    differ (panel_linear.cpp stream_prefetch and fma_min_rows, paged_attention.cpp
+    bf16_dot_attention)."""
+    try:
+        return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def panels_suit_this_cpu(quantized: bool = False) -> bool:
     """True on x86 CPUs with AVX2 and FMA where our panel kernel beats torch's and oneDNN's
     bfloat16 products (modules/linear.py). Without AMX: without bfloat16 dot products torch's

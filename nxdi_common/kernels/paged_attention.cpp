@@ -218,7 +218,8 @@ struct Bf16PairFmaOps : FloatTiles<Bf16PairFmaOps<NZ>> {
   Base base;
   static __m512 even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
   static __m512 odd(__m512i x) {
-    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    return _mm512_castsi512_ps(_mm512_and_si512(x, high));
   }
   void load(const BF16* src, Row& r) const {
     for (int z = 0; z < NZ; ++z) {
