@@ -199,7 +199,6 @@ struct Avx512Ops : FloatTiles<Avx512Ops<NV>> {
     return 1.f / _mm512_reduce_add_ps(vsum);
   }
 };
-#endif
 
 // bf16 queries on a bf16 cache, head_dim = 32 * NZ, on float32 FMAs (Avx512Ops' tiles and
 // arithmetic) where the bf16 dot products are slow (bf16_dot_attention). Each 32 bf16 values
@@ -253,6 +252,7 @@ struct Bf16PairFmaOps : FloatTiles<Bf16PairFmaOps<NZ>> {
     }
   }
 };
+#endif  // __AVX512F__
 
 #if defined(__AVX512BF16__)
 // 32 float8_e4m3fn values as the bf16 of each value times 2^-8, exactly: each byte (sign, 4
