@@ -37,6 +37,8 @@ _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "paged_attention.cpp", _HERE / "fused_ops.cpp",
             _HERE / "causal_attention.cpp", _HERE / "panel_linear.cpp")
 _HEADERS = (_HERE / "simd.h", _HERE / "panel_tile.h")
+# -ffp-contract=off: a product and a sum stay two roundings, as in the torch ops replaced.
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "error": None once loaded, else why it is unavailable
 
@@ -143,9 +145,8 @@ def _build(name: str, build_dir: Path) -> None:
     if shutil.which("ninja") is None:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     log.info("building the CPU kernels (once per machine) in %s", build_dir)
-    # -ffp-contract=off: a product and a sum stay two roundings, as in the torch ops replaced.
     cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                       extra_cflags=list(_CFLAGS),
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
@@ -188,6 +189,16 @@ def library_path() -> Path | None:
         return None
     name = _build_name()
     return kernel_cache_dir() / name / f"{name}.so"
+
+
+def source_files() -> tuple[Path, ...]:
+    """The C++ sources compiled into the kernel library (one translation unit each)."""
+    return _SOURCES
+
+
+def compile_flags() -> list[str]:
+    """The flags _build gives the compiler besides torch's own (the target: -march=native)."""
+    return list(_CFLAGS)
 
 
 def paged_attention():
