@@ -1,7 +1,7 @@
 """The panel layout for linear weights (modules/linear.py, kernels/panel_linear.cpp): the kernel's
 product is the exact product rounded once to the dtype, to float32 summation error, for every
-tile shape (1-6 rows, a widened panel from 7 rows), partial panels, bias and residual, int8
-panels with their scale; Linear uses it when its weight is in panels, traced graphs take panels
+tile shape (1-6 rows, even splits of more, float16 panels widened once), partial panels, bias
+and residual, int8 panels with their scale; Linear uses it when its weight is in panels, traced graphs take panels
 as inputs, a model built with it gives the plain layout's tokens, "auto" picks it on x86 CPUs
 without AMX, bfloat16 products run on the CPU's bf16 dot products where it has them (from
 bfloat16 weights in pairs, the layout packed there, with the same results as from panels), and
@@ -236,15 +236,36 @@ def test_products_of_many_rows_run_on_float32_fmas_on_intel_and_where_asked():
         assert torch.allclose(from_pairs.float(), dot[2][rows][1].float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 24, 30, 301])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 24, 30, 301])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_product_is_the_rounded_exact_product(ops, rows, wdtype):
+    """Every tile shape: 1-6 rows in one tile, and the even splits of more (8: 4 + 4; 13: 5 + 4
+    + 4; 16: 6 + 5 + 5), a bf16 panel read in place (its even and odd columns widened apart and
+    put back in order), float16 panels widened once from 7 rows."""
     g = torch.Generator().manual_seed(rows)
     out_features, in_features = 40, 77  # a partial last panel, an odd K
     w = torch.randn(out_features, in_features, generator=g).to(wdtype)
     xdtype = torch.float32 if wdtype == torch.float32 else wdtype
     x = torch.randn(rows, in_features, generator=g).to(xdtype)
     assert_rounded_product(ops.panel_linear(x, pack_panels(w, pairs=False), out_features), x, w)
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+def test_the_next_panel_prefetch_changes_no_result(ops, wdtype):
+    """Widened panels (float16 from 7 rows) prefetch the next panel (panel_prefetch, on by
+    default and set for A/B runs): the same bits either way, and the setting reads back."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(72, 300, generator=g).to(wdtype)
+    x = torch.randn(16, 300, generator=g).to(wdtype)
+    panels = pack_panels(w, pairs=False)
+    assert torch.ops.nxdi.panel_prefetch() is True
+    try:
+        assert torch.ops.nxdi.panel_prefetch(0) is False
+        without = ops.panel_linear(x, panels, 72)
+    finally:
+        assert torch.ops.nxdi.panel_prefetch(1) is True
+    assert torch.equal(ops.panel_linear(x, panels, 72), without)
+    assert_rounded_product(without, x, w)
 
 
 @pytest.mark.parametrize("threads", [2, 3])

@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -92,25 +93,55 @@ void store_tile(const float* c, int rows, int64_t m0, int64_t n0, const Problem&
   }
 }
 
-// One panel times rows [m0, m1) of x into out. With many rows the panel is widened to float32 once
-// (wide, 16 x K) and the tiles read that: the widening then costs once per panel instead of once
-// per 6 rows.
+// Whether run's widened panels prefetch the next one (NXDI_PANEL_PREFETCH=1/0 where set,
+// read once, or the op panel_prefetch, for A/B runs in one process; by default on).
+std::atomic<bool>& prefetch_setting() {
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("NXDI_PANEL_PREFETCH");
+    return env == nullptr || *env == '\0' || std::atoi(env) != 0;
+  }()};
+  return on;
+}
+
+// One panel times rows [m0, m1) of x into out. With many rows a float16 or int8 panel is
+// widened to float32 once (wide, 16 x K) and the tiles read that: the widening then costs once
+// per panel instead of once per 6 rows. A bfloat16 panel is read in place: its widening in the
+// tile (a shift and an and, panel_tile.h) costs less than a pass over `wide` (on AMD Zen 3, one
+// product of 16 x 576 by 576 x 1536 in cache ran at the tile's FMA peak either way).
+// The rows are shared evenly among the fewest tiles of at most kMR (16 rows: 6, 5, 5, not 6, 6,
+// 4; 8 rows 4 + 4, not 6 + 2): a tile of 1 or 2 rows waits on its few FMA chains.
+// Unless prefetch_setting() is off, a widened panel's first tile prefetches the next panel in
+// memory (where the walk goes next), whose widening pass has nothing to overlap it otherwise:
+// on AMD Zen 3, 16 rows of bf16 panels when they were widened too, 0.95x the time (the 121
+// products of a decode step, two threads, 15 rounds alternating in one process). Panels read
+// in place do not: there the same prefetch made 8 and 16 rows 1.1x slower, and 4 KB ahead of a
+// single tile 1 and 4 rows 1.06x slower, though a plain C++ loop over the same tiles read 1.13x
+// faster with it.
 template <typename T, typename W>
 void panel_rows(const Problem& pb, const float* x, const W* panel, int64_t p, int64_t m0,
                 int64_t m1, const T* bias, const T* residual, T* out, std::vector<float>& wide) {
   float c[kMR * kNR];
-  const bool widen = !std::is_same_v<W, float> && m1 - m0 >= kWidenRows;
+  const bool widen = !std::is_same_v<W, float> && !nxdi_tile::kEvenOdd<W> && m1 - m0 >= kWidenRows;
   if (widen) {
     wide.resize(pb.K * kNR);
     for (int64_t i = 0; i < pb.K * kNR; ++i) wide[i] = to_float(panel[i]);
   }
-  for (int64_t m = m0; m < m1; m += kMR) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
+  const int64_t panel_bytes = pb.K * kNR * static_cast<int64_t>(sizeof(W));
+  const char* ahead = reinterpret_cast<const char*>(panel) + panel_bytes;
+  int64_t ahead_lines =
+      widen && p + 1 < pb.P && prefetch_setting().load(std::memory_order_relaxed)
+          ? (panel_bytes + 63) / 64 : 0;
+  const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
+  for (int64_t m = m0, t = 0; m < m1; ++t) {
+    const int rows = static_cast<int>((m1 - m + tiles - t - 1) / (tiles - t));
     if (widen)
-      tile_rows(rows, x + m * pb.K, pb.K, wide.data(), pb.K, c);
+      tile_rows(rows, x + m * pb.K, pb.K, wide.data(), pb.K, c, ahead, ahead_lines);
     else
-      tile_rows(rows, x + m * pb.K, pb.K, panel, pb.K, c);
+      tile_rows(rows, x + m * pb.K, pb.K, panel, pb.K, c, ahead, ahead_lines);
     store_tile(c, rows, m, p * kNR, pb, bias, residual, out);
+    ahead += 64 * std::min(ahead_lines, pb.K);  // lines past K: the next tile's
+    ahead_lines = std::max<int64_t>(0, ahead_lines - pb.K);
+    m += rows;
   }
 }
 
@@ -793,6 +824,12 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
 #else
     return int64_t{0};
 #endif
+  });
+  // Whether widened panels (run, panel_rows) prefetch the next panel;
+  // `on` 0 or 1 sets it first (for A/B runs in one process).
+  m.def("panel_prefetch(int on=-1) -> bool", [](int64_t on) {
+    if (on >= 0) prefetch_setting().store(on != 0);
+    return prefetch_setting().load();
   });
   m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None, "
         "Tensor? residual=None, Tensor? scale=None) -> Tensor");
