@@ -18,13 +18,21 @@ inline float to_float(int8_t x) { return x; }
 constexpr int64_t kNR = 16;  // columns per panel
 constexpr int kMR = 6;       // rows per register tile
 
+// Whether tile() widens a panel's even and odd columns apart (widen16, below).
+template <typename W>
+constexpr bool kEvenOdd =
+#if defined(__AVX2__) && defined(__FMA__)
+    std::is_same_v<W, c10::BFloat16>;
+#else
+    false;
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 // The k-th row of a panel (16 weights) as two float32 vectors: columns 0-7 and 8-15, or for
 // bfloat16 (kEvenOdd) the even columns and the odd ones: a bf16 is the top half of a float32,
 // so each 32-bit lane (columns 2i, 2i + 1) gives the even one by a shift and the odd one by an
 // and, where widening in column order takes three shuffles and two shifts (vpmovzxwd twice and
 // an extract, on the ports the shifts also use). tile() puts the sums back in column order.
-template <typename W> constexpr bool kEvenOdd = std::is_same_v<W, c10::BFloat16>;
 inline void widen16(const c10::BFloat16* w, __m256& even, __m256& odd) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
