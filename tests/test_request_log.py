@@ -57,10 +57,14 @@ def test_a_refused_request_logs_its_error_and_the_flag_turns_lines_off(stack):
         "model": "tiny", "prompt": [1] * 200, "max_tokens": 50})
     assert r.status_code in (429, 503), r.text
     request_id = None
-    for line in router.output().splitlines()[::-1]:
-        if " rejected " in line or " error " in line:
-            request_id = line.split("request ", 1)[1].split()[0]
-            break
+    deadline = time.monotonic() + 10.0  # the line may reach the log after the response
+    while request_id is None and time.monotonic() < deadline:
+        for line in router.output().splitlines()[::-1]:
+            if " rejected " in line or " error " in line:
+                request_id = line.split("request ", 1)[1].split()[0]
+                break
+        else:
+            time.sleep(0.1)
     assert request_id is not None and "error=" in lines_for(router, request_id)[0]
     r = httpx.post(f"http://{quiet.info['http']}/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": PROMPT, "max_tokens": 2})
