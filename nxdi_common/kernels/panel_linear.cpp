@@ -126,21 +126,20 @@ void panel_rows(const Problem& pb, const float* x, const W* panel, int64_t p, in
     wide.resize(pb.K * kNR);
     for (int64_t i = 0; i < pb.K * kNR; ++i) wide[i] = to_float(panel[i]);
   }
+  // a widened panel (16- or 8-bit) has fewer lines than K: the first tile prefetches them all
   const int64_t panel_bytes = pb.K * kNR * static_cast<int64_t>(sizeof(W));
-  const char* ahead = reinterpret_cast<const char*>(panel) + panel_bytes;
-  int64_t ahead_lines =
-      widen && p + 1 < pb.P && prefetch_setting().load(std::memory_order_relaxed)
-          ? (panel_bytes + 63) / 64 : 0;
+  const char* next = reinterpret_cast<const char*>(panel) + panel_bytes;
+  int64_t next_lines = widen && p + 1 < pb.P && prefetch_setting().load(std::memory_order_relaxed)
+                           ? (panel_bytes + 63) / 64 : 0;
   const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
   for (int64_t m = m0, t = 0; m < m1; ++t) {
     const int rows = static_cast<int>((m1 - m + tiles - t - 1) / (tiles - t));
     if (widen)
-      tile_rows(rows, x + m * pb.K, pb.K, wide.data(), pb.K, c, ahead, ahead_lines);
+      tile_rows(rows, x + m * pb.K, pb.K, wide.data(), pb.K, c, next, next_lines);
     else
-      tile_rows(rows, x + m * pb.K, pb.K, panel, pb.K, c, ahead, ahead_lines);
+      tile_rows(rows, x + m * pb.K, pb.K, panel, pb.K, c);
     store_tile(c, rows, m, p * kNR, pb, bias, residual, out);
-    ahead += 64 * std::min(ahead_lines, pb.K);  // lines past K: the next tile's
-    ahead_lines = std::max<int64_t>(0, ahead_lines - pb.K);
+    next_lines = 0;
     m += rows;
   }
 }

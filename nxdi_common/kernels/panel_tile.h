@@ -57,7 +57,7 @@ inline void widen16(const float* w, __m256& lo, __m256& hi) {
 // them to the stack on every k, which held the kernel to a third of its speed. Step k prefetches
 // line k of `ahead` into L2 while k < ahead_lines: bytes the caller reads after these (the rest
 // of its stream of panels), so that reading them from memory overlaps this tile's arithmetic.
-// The weights go through registers (the empty asm): with three or fewer rows GCC folded their
+// The weights go through registers (the empty asm): with two to four rows GCC folded their
 // loads into the FMAs instead, one load per FMA, and AMD Zen 3 ran those tiles at half the
 // FMAs per cycle (it issues about 1.5 vector loads a cycle here).
 template <int MR, typename W>
