@@ -306,11 +306,9 @@ const float* widen_rows(const c10::BFloat16* x, int64_t M, int64_t K, std::vecto
       for (int64_t g = 0; g < rows; g += 8) {  // rows g..g+7 (the missing ones zero, unstored)
         const int valid = static_cast<int>(std::min<int64_t>(8, rows - g));
         __m512i r[8], t[8];
-        for (int j = 0; j < 8; ++j) {
-          const auto* src = reinterpret_cast<const __m256i*>(x + (m + g + j) * K + 2 * i0);
-          r[j] = j < valid ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src)), 16)
+        for (int j = 0; j < 8; ++j)
+          r[j] = j < valid ? _mm512_castps_si512(load16(x + (m + g + j) * K + 2 * i0))
                            : _mm512_setzero_si512();
-        }
         for (int j = 0; j < 8; j += 2) {  // [row j pair 2l, row j + 1 pair 2l] in 128-bit lane l
           t[j] = _mm512_unpacklo_epi64(r[j], r[j + 1]);
           t[j + 1] = _mm512_unpackhi_epi64(r[j], r[j + 1]);
