@@ -164,7 +164,8 @@ def test_bf16_runs_on_dot_products_or_float32_fmas_as_the_cpu_suits(tmp_path):
 def test_the_built_kernels_keep_their_prefetches():
     """Every instantiation of the paged attention kernel (attend_heads: the next block) and of
     the panel products' tiles (dot_tile: the weights 4 KB ahead) in the built library holds its
-    prefetcht1: GCC once deleted the attention's prefetch loops outright after an unrelated
+    prefetcht1, and every AVX2 panel tile (nxdi_tile::tile: a panel read in place, 4 KB ahead)
+    its prefetcht0: GCC once deleted the attention's prefetch loops outright after an unrelated
     change, silently, and the kernel took up to 1.5x the time from memory (simd.h,
     prefetch_l2)."""
     import shutil
@@ -176,20 +177,26 @@ def test_the_built_kernels_keep_their_prefetches():
     assert path is not None and path.is_file()
     listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(path)], check=True,
                              capture_output=True, text=True).stdout
-    prefixes = ("_ZN12_GLOBAL__N_112attend_heads", "_ZN12_GLOBAL__N_18dot_tile")
+    instruction = {"_ZN12_GLOBAL__N_112attend_heads": "prefetcht1",
+                   "_ZN12_GLOBAL__N_18dot_tile": "prefetcht1", "_ZN9nxdi_tile4tileI": "prefetcht0"}
+    prefixes = tuple(instruction)
     prefetches: dict[str, int] = {}
-    name = None
+    name = wanted = None
     for line in listing.splitlines():
         if line.endswith(">:") and " <" in line:
             name = line.split(" <", 1)[1][:-2]
-            if name.startswith(prefixes) and ".cold" not in name:
+            if name.startswith(prefixes) and ".cold" not in name and "@plt" not in name:
                 prefetches.setdefault(name, 0)
+                wanted = instruction[next(p for p in prefixes if name.startswith(p))]
             else:
                 name = None
-        elif name is not None and "prefetcht1" in line:
+        elif name is not None and wanted in line:
             prefetches[name] += 1
-    # dot_tile: the bf16 dot-product and FMA tiles, built where the CPU has AVX512-BF16
-    expected = prefixes if "avx512_bf16" in kernels.cpu_flags() else prefixes[:1]
+    flags = kernels.cpu_flags()
+    # dot_tile: the bf16 dot-product and FMA tiles, built where the CPU has AVX512-BF16;
+    # nxdi_tile::tile: the float32 FMA tiles, built where it has AVX2 and FMA
+    expected = [prefixes[0]] + ([prefixes[1]] if "avx512_bf16" in flags else []) + (
+        [prefixes[2]] if {"avx2", "fma"} <= flags else [])
     for prefix in expected:
         assert any(n.startswith(prefix) for n in prefetches), f"no {prefix} in the library"
     assert all(prefetches.values()), [n for n, c in prefetches.items() if c == 0][:3]

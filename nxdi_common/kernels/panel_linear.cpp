@@ -93,8 +93,9 @@ void store_tile(const float* c, int rows, int64_t m0, int64_t n0, const Problem&
   }
 }
 
-// Whether run's widened panels prefetch the next one (NXDI_PANEL_PREFETCH=1/0 where set,
-// read once, or the op panel_prefetch, for A/B runs in one process; by default on).
+// Whether run's tiles prefetch at all (panel_rows: a widened panel's next one, and where
+// stream_prefetch() a panel read in place): NXDI_PANEL_PREFETCH=1/0 where set, read once, or the
+// op panel_prefetch, for A/B runs in one process; by default on.
 std::atomic<bool>& prefetch_setting() {
   static std::atomic<bool> on{[] {
     const char* env = std::getenv("NXDI_PANEL_PREFETCH");
@@ -102,6 +103,35 @@ std::atomic<bool>& prefetch_setting() {
   }()};
   return on;
 }
+
+// Whether panels read in place from memory prefetch their stream in software:
+// NXDI_PANEL_STREAM_PREFETCH=1 or 0 where set (read once), else on Intel CPUs and where the
+// library is built without AVX512-BF16 (AVX2 only, e.g. AMD Zen 3), not on AMD Zen 4. With
+// AVX512-BF16 it decides for up to kOneStreamRows rows of the dot-product path (run_dot, whose
+// comment has the Zen 4 and Intel figures); everywhere it decides for panel_rows' tiles of
+// panels read in place (bfloat16 and float32 panels at any rows, float16 and int8 up to kMR).
+// On AMD Zen 3 (AVX2) the tiles' prefetch (prefetcht0, kStreamBytes ahead) cut the time of the
+// 121 products of a decode step read from memory, bf16 panels, two threads, in one process with
+// it on and off alternating (panel_prefetch, 12 rounds): 1 row 0.89x, 2 rows 0.82x, 3 rows 0.83x,
+// 4 rows 0.78x, 8 rows 0.86x, 16 rows 0.95x; float16 and int8 panels 1-6 rows 0.80-0.98x,
+// float32 1-6 rows 0.84-1.01x, 16 rows 1.04x. (In a sweep, 1-4 KB ahead were within noise of
+// each other for 1-2 rows; 2-4 KB gained most from 4 rows, 8 KB lost at 16.) A whole decode
+// step of the bundled model, 256 positions, two threads, on and off alternating: 1 row 0.97x,
+// 4 rows 0.87x, 16 rows 0.84x the time.
+bool stream_prefetch() {
+  static const bool on = [] {
+    const char* env = std::getenv("NXDI_PANEL_STREAM_PREFETCH");
+    if (env != nullptr && *env != '\0') return std::atoi(env) != 0;
+#if defined(__AVX512BF16__)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+#else
+    return true;
+#endif
+  }();
+  return on;
+}
+constexpr int64_t kStreamBytes = 4096;  // how far ahead panel_rows' tiles prefetch a panel
 
 // One panel times rows [m0, m1) of x into out. With many rows a float16 or int8 panel is
 // widened to float32 once (wide, 16 x K) and the tiles read that: the widening then costs once
@@ -114,9 +144,9 @@ std::atomic<bool>& prefetch_setting() {
 // memory (where the walk goes next), whose widening pass has nothing to overlap it otherwise:
 // on AMD Zen 3, 16 rows of bf16 panels when they were widened too, 0.95x the time (the 121
 // products of a decode step, two threads, 15 rounds alternating in one process). Panels read
-// in place do not: there the same prefetch made 8 and 16 rows 1.1x slower, and 4 KB ahead of a
-// single tile 1 and 4 rows 1.06x slower, though a plain C++ loop over the same tiles read 1.13x
-// faster with it.
+// in place do not take that prefetch (there it made 8 and 16 rows 1.1x slower, all of the next
+// panel's lines at once); where stream_prefetch() every tile prefetches its own panel
+// kStreamBytes ahead of its reads instead, a line at a time.
 template <typename T, typename W>
 void panel_rows(const Problem& pb, const float* x, const W* panel, int64_t p, int64_t m0,
                 int64_t m1, const T* bias, const T* residual, T* out, std::vector<float>& wide) {
@@ -129,15 +159,16 @@ void panel_rows(const Problem& pb, const float* x, const W* panel, int64_t p, in
   // a widened panel (16- or 8-bit) has fewer lines than K: the first tile prefetches them all
   const int64_t panel_bytes = pb.K * kNR * static_cast<int64_t>(sizeof(W));
   const char* next = reinterpret_cast<const char*>(panel) + panel_bytes;
-  int64_t next_lines = widen && p + 1 < pb.P && prefetch_setting().load(std::memory_order_relaxed)
-                           ? (panel_bytes + 63) / 64 : 0;
+  const bool prefetch = prefetch_setting().load(std::memory_order_relaxed);
+  int64_t next_lines = widen && p + 1 < pb.P && prefetch ? (panel_bytes + 63) / 64 : 0;
+  const int64_t stream = prefetch && stream_prefetch() ? kStreamBytes : 0;
   const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
   for (int64_t m = m0, t = 0; m < m1; ++t) {
     const int rows = static_cast<int>((m1 - m + tiles - t - 1) / (tiles - t));
     if (widen)
       tile_rows(rows, x + m * pb.K, pb.K, wide.data(), pb.K, c, next, next_lines);
     else
-      tile_rows(rows, x + m * pb.K, pb.K, panel, pb.K, c);
+      tile_rows(rows, x + m * pb.K, pb.K, panel, pb.K, c, nullptr, 0, stream);
     store_tile(c, rows, m, p * kNR, pb, bias, residual, out);
     next_lines = 0;
     m += rows;
@@ -249,18 +280,6 @@ struct PanelPairs {
 // (2-32 KB within noise; prefetcht0 even, prefetchnta 1.5x slower). So few rows prefetch on
 // Intel and not elsewhere (stream_prefetch).
 constexpr int64_t kPrefetchBytes = 4096;
-
-// Whether up to kOneStreamRows rows prefetch their one stream too: NXDI_PANEL_STREAM_PREFETCH=1
-// or 0 where set (read once), else on Intel CPUs only (above).
-bool stream_prefetch() {
-  static const bool on = [] {
-    const char* env = std::getenv("NXDI_PANEL_STREAM_PREFETCH");
-    if (env != nullptr && *env != '\0') return std::atoi(env) != 0;
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") != 0;
-  }();
-  return on;
-}
 
 // Rows from which a product multiplies on float32 FMAs instead of the bf16 dot products
 // (NXDI_PANEL_FMA_MIN_ROWS, read once; 0 never): by default 0 except on Intel, where vdpbf16ps
@@ -842,14 +861,8 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
     return false;
 #endif
   });
-  // True where a product of up to 4 rows prefetches its one stream of bfloat16 pairs.
-  m.def("panel_stream_prefetch() -> bool", [] {
-#if defined(__AVX512BF16__)
-    return stream_prefetch();
-#else
-    return false;
-#endif
-  });
+  // True where panels read in place prefetch their stream (stream_prefetch).
+  m.def("panel_stream_prefetch() -> bool", [] { return stream_prefetch(); });
   // Rows from which bfloat16 products run on float32 FMAs (0: never; NXDI_PANEL_FMA_MIN_ROWS).
   m.def("panel_fma_min_rows() -> int", [] {
 #if defined(__AVX512BF16__)
@@ -858,8 +871,8 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
     return int64_t{0};
 #endif
   });
-  // Whether widened panels (run, panel_rows) prefetch the next panel;
-  // `on` 0 or 1 sets it first (for A/B runs in one process).
+  // Whether run's tiles prefetch (panel_rows: a widened panel's next one, and where
+  // panel_stream_prefetch() a panel read in place); `on` 0 or 1 sets it first (A/B runs).
   m.def("panel_prefetch(int on=-1) -> bool", [](int64_t on) {
     if (on >= 0) prefetch_setting().store(on != 0);
     return prefetch_setting().load();

@@ -57,30 +57,72 @@ inline void widen16(const float* w, __m256& lo, __m256& hi) {
 // them to the stack on every k, which held the kernel to a third of its speed. Step k prefetches
 // line k of `ahead` into L2 while k < ahead_lines: bytes the caller reads after these (the rest
 // of its stream of panels), so that reading them from memory overlaps this tile's arithmetic.
+// With `stream` > 0 the tile also prefetches (into L1) the panel's bytes `stream` ahead of those
+// it reads, one line per 64 bytes: where the caller reads the panel from memory in place.
 // The weights go through registers (the empty asm): with two to four rows GCC folded their
 // loads into the FMAs instead, one load per FMA, and AMD Zen 3 ran those tiles at half the
 // FMAs per cycle (it issues about 1.5 vector loads a cycle here).
+// One or two rows keep two sets of sums, even and odd k, added at the end: one set is 2 or 4
+// chains of FMAs, which wait on each other's 4-cycle latency (Zen 3: 3.7-3.8 cycles a k step
+// for 2 or 4 FMAs). In one process alternating with one set: a product of 1 x 576 by 576 x 960
+// in cache, one thread, 0.77x the time (1 x 1536 by 1536 x 576 0.71x; 2 rows 0.74-0.88x); the
+// 121 products of a decode step from memory, two threads, 0.96x (1 and 2 rows); a decode step
+// of the bundled model, 1 row, 0.93x. From three rows the 12 sums and their operands no longer
+// fit the 16 ymm registers (3 rows 0.99-1.07x slower).
 template <int MR, typename W>
 void tile(const float* x, int64_t ldx, const W* panel, int64_t K, float* c,
-          const char* ahead = nullptr, int64_t ahead_lines = 0) {
-  __m256 acc[MR][2];
+          const char* ahead = nullptr, int64_t ahead_lines = 0, int64_t stream = 0) {
+  constexpr int S = MR <= 2 ? 2 : 1;  // sets of sums: k steps an iteration
+  constexpr int64_t kStepBytes = kNR * static_cast<int64_t>(sizeof(W));
+  constexpr int64_t kIterBytes = S * kStepBytes;
+  // stream prefetch: lines an iteration, or iterations a line (one of the two is 1)
+  constexpr int kLines = kIterBytes >= 64 ? static_cast<int>(kIterBytes / 64) : 1;
+  constexpr int64_t kEvery = kIterBytes >= 64 ? 1 : 64 / kIterBytes;
+  const char* streamed = reinterpret_cast<const char*>(panel) + stream;
+  __m256 acc[S][MR][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) acc[s][r][0] = acc[s][r][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + S <= K; k += S) {
+#pragma GCC unroll 2
+    for (int s = 0; s < S; ++s)
+      if (k + s < ahead_lines) nxdi_simd::prefetch_l2(ahead + 64 * (k + s));
+    if (stream > 0 && (k / S) % kEvery == 0) {
+#pragma GCC unroll 4
+      for (int l = 0; l < kLines; ++l) nxdi_simd::prefetch_l1(streamed + k * kStepBytes + 64 * l);
+    }
+    __m256 lo[S], hi[S];
+#pragma GCC unroll 2
+    for (int s = 0; s < S; ++s) {
+      widen16(panel + (k + s) * kNR, lo[s], hi[s]);
+      asm("" : "+x"(lo[s]), "+x"(hi[s]));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+      for (int s = 0; s < S; ++s) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k + s);
+        acc[s][r][0] = _mm256_fmadd_ps(xb, lo[s], acc[s][r][0]);
+        acc[s][r][1] = _mm256_fmadd_ps(xb, hi[s], acc[s][r][1]);
+      }
+  }
+  if (k < K) {  // S == 2 and K odd: the last step on the first set
     if (k < ahead_lines) nxdi_simd::prefetch_l2(ahead + 64 * k);
     __m256 lo, hi;
     widen16(panel + k * kNR, lo, hi);
-    asm("" : "+x"(lo), "+x"(hi));
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-      acc[r][0] = _mm256_fmadd_ps(xb, lo, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xb, hi, acc[r][1]);
+      acc[0][r][0] = _mm256_fmadd_ps(xb, lo, acc[0][r][0]);
+      acc[0][r][1] = _mm256_fmadd_ps(xb, hi, acc[0][r][1]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
-    __m256 lo = acc[r][0], hi = acc[r][1];
+    __m256 lo = acc[0][r][0], hi = acc[0][r][1];
+    if constexpr (S == 2) lo = _mm256_add_ps(lo, acc[1][r][0]), hi = _mm256_add_ps(hi, acc[1][r][1]);
     if constexpr (kEvenOdd<W>) {  // even and odd columns back in order
       const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);
       lo = _mm256_permute2f128_ps(a, b, 0x20), hi = _mm256_permute2f128_ps(a, b, 0x31);
@@ -92,7 +134,7 @@ void tile(const float* x, int64_t ldx, const W* panel, int64_t K, float* c,
 #else
 template <int MR, typename W>
 void tile(const float* x, int64_t ldx, const W* panel, int64_t K, float* c,
-          const char* = nullptr, int64_t = 0) {
+          const char* = nullptr, int64_t = 0, int64_t = 0) {
   std::fill(c, c + MR * kNR, 0.f);
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < MR; ++r) {
@@ -104,14 +146,14 @@ void tile(const float* x, int64_t ldx, const W* panel, int64_t K, float* c,
 
 template <typename W>
 void tile_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t K, float* c,
-               const char* ahead = nullptr, int64_t ahead_lines = 0) {
+               const char* ahead = nullptr, int64_t ahead_lines = 0, int64_t stream = 0) {
   switch (rows) {
-    case 1: return tile<1>(x, ldx, panel, K, c, ahead, ahead_lines);
-    case 2: return tile<2>(x, ldx, panel, K, c, ahead, ahead_lines);
-    case 3: return tile<3>(x, ldx, panel, K, c, ahead, ahead_lines);
-    case 4: return tile<4>(x, ldx, panel, K, c, ahead, ahead_lines);
-    case 5: return tile<5>(x, ldx, panel, K, c, ahead, ahead_lines);
-    default: return tile<kMR>(x, ldx, panel, K, c, ahead, ahead_lines);
+    case 1: return tile<1>(x, ldx, panel, K, c, ahead, ahead_lines, stream);
+    case 2: return tile<2>(x, ldx, panel, K, c, ahead, ahead_lines, stream);
+    case 3: return tile<3>(x, ldx, panel, K, c, ahead, ahead_lines, stream);
+    case 4: return tile<4>(x, ldx, panel, K, c, ahead, ahead_lines, stream);
+    case 5: return tile<5>(x, ldx, panel, K, c, ahead, ahead_lines, stream);
+    default: return tile<kMR>(x, ldx, panel, K, c, ahead, ahead_lines, stream);
   }
 }
 
