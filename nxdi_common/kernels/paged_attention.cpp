@@ -543,7 +543,9 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   // Intel VM (Xeon family 6 model 207) a burst of 32 prefetches held up the widening's own
   // reads from L2 behind them. 30 layers' caches from memory, in one process with the two
   // alternating (12 rounds): 16 rows x 576 positions, two threads 0.866x the time, one thread
-  // 0.836x; 32 x 576 0.867x; 4 x 1792 0.888x; one row of 576 on two threads 0.869x.
+  // 0.836x; 32 x 576 0.867x; 4 x 1792 0.888x; one row of 576 on two threads 0.869x. On AMD
+  // Zen 3 (AVX2; session 51, 10 rounds) from memory 0.871x, 0.852x, -, 0.895x, 0.921x alike;
+  // with one layer's cache warm in L2/L3 there, 16 x 576 1.146x (a decode step reads from memory).
   const kv_t* drip_next = nullptr;
   int64_t drip_hk = 0, drip_row = 0, drip_end = 0, drip_rows = 0;
   auto drip = [&] {
