@@ -16,8 +16,10 @@ instead of every choice prefilling the whole prompt again.
 
 Every request ends with one line on the ``router.requests`` logger (INFO; the router's
 --no-request-log turns it off): its id, outcome (ok, cancelled, rejected, error), decode worker,
-prompt / cached / output tokens, finish reason, time to first token and end-to-end latency, and
-the error when there was one. Text never appears in it."""
+where its prompt was sent to be prefilled (the prefill worker offered first, or ``local`` when
+none was offered and the decode worker prefilled it itself: conditional disaggregation, no
+prefill worker up, or none at all), prompt / cached / output tokens, finish reason, time to
+first token and end-to-end latency, and the error when there was one. Text never appears in it."""
 from __future__ import annotations
 
 import asyncio
@@ -69,6 +71,7 @@ class _Tracker:
         self.metrics, self.started, self.last, self.first = metrics, started, None, None
         self.prompt_tokens, self.tokens = prompt_tokens, 0
         self.expected_cached: int | None = None  # the policy's belief when it routed it
+        self.prefill = "-"  # the prefill worker offered first, "local", or "-" (never routed)
         metrics.queue_depth_requests.inc()
 
     def token(self) -> None:
@@ -103,8 +106,8 @@ class _Tracker:
         usage = last.usage if last is not None else None
         ttft = "-" if self.first is None else f"{self.first - self.started:.3f}s"
         request_log.info(
-            "request %s %s decode=%s prompt=%d cached=%s output=%d finish=%s ttft=%s e2e=%.3fs%s",
-            request_id, outcome, address or "-", self.prompt_tokens,
+            "request %s %s decode=%s prefill=%s prompt=%d cached=%s output=%d finish=%s ttft=%s "
+            "e2e=%.3fs%s", request_id, outcome, address or "-", self.prefill, self.prompt_tokens,
             usage.cached_prompt_tokens if usage else "-", self.tokens,
             (last.finish_reason if last is not None else None) or "-", ttft,
             time.monotonic() - self.started, f" error={error!r}" if error else "")
@@ -175,7 +178,8 @@ class Dispatcher:
             if shared is not None and not leads:
                 prefer = await _leader(shared, timeout - (time.monotonic() - tracker.started))
                 timeout -= time.monotonic() - tracker.started  # what the wait left of it
-            call, address, out, tracker.expected_cached = await self._open(req, timeout, prefer)
+            call, address, out, tracker.expected_cached, tracker.prefill = await self._open(
+                req, timeout, prefer)
             if leads:
                 shared.address = address
             while out is not None:
@@ -209,7 +213,8 @@ class Dispatcher:
 
     async def _open(self, req: RoutedRequest, timeout: float, prefer: str = ""):
         """A decode worker's call and first token: (call, worker address, first token, the
-        prompt tokens the policy believed that worker had cached, or None). When
+        prompt tokens the policy believed that worker had cached or None, the prefill worker
+        offered first or "local"). When
         every worker refused, the request waits its turn in the admission queue (nobody waiting:
         after one try at once) and tries again as room comes; Overloaded when none comes in the
         queue's timeout."""
@@ -236,8 +241,7 @@ class Dispatcher:
     async def _try_decodes(self, req: RoutedRequest, deadline: float, refused: list[str],
                            prefer: str = ""):
         """Try the decode workers in order (``prefer`` first) until one sends a first token:
-        (call, worker address, first token); None when every one refused (their addresses in
-        ``refused``)."""
+        _open's tuple; None when every one refused (their addresses in ``refused``)."""
         decodes, prefills = self.plan(req)
         if prefer:  # stable: the policy's order after it
             decodes = sorted(decodes, key=lambda w: w.address != prefer)
@@ -254,7 +258,8 @@ class Dispatcher:
                 expected = self.policy.expected_cached_tokens(req.prompt_ids, worker,
                                                               req.cache_salt)
                 self._note_routed(req, worker, prefill)
-                return call, worker.address, first, expected
+                return (call, worker.address, first, expected,
+                        prefill.address if prefill is not None else "local")
             call.cancel()
         if refused:
             return None

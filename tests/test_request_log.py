@@ -1,7 +1,7 @@
 """The router's request log (router/dispatch.py module doc), on real processes: one line per
-finished request with its id, outcome, decode worker, token counts, finish reason and times,
-never the prompt's or the answer's text; a refused request's line carries its error; with
---no-request-log there are none."""
+finished request with its id, outcome, decode worker, where its prompt was prefilled, token
+counts, finish reason and times, never the prompt's or the answer's text; a refused request's
+line carries its error; with --no-request-log there are none."""
 from __future__ import annotations
 
 import re
@@ -18,10 +18,12 @@ def stack(spawn_module, tiny_chat_model):
     common = ("--model", tiny_chat_model, "--dtype", "float32", "--backend", "eager",
               "--threads", "1", "--max-model-len", 256)
     decode = spawn_module("decode_service", *common, "--kv-blocks", 8)  # 128 tokens
+    prefill = spawn_module("prefill_service", *common)
     router = ("router", "--model", tiny_chat_model, "--max-model-len", 256, "--model-name",
               "tiny", "--http-port", 0, "--grpc-port", 0, "--decode", decode.grpc,
-              "--queue-timeout-seconds", 0)
-    return decode, spawn_module(*router), spawn_module(*router, "--no-request-log")
+              "--prefill", prefill.grpc, "--queue-timeout-seconds", 0)
+    return (decode, spawn_module(*router), spawn_module(*router, "--no-request-log"), prefill,
+            spawn_module(*router, "--local-prefill-always-tokens", 64))
 
 
 def lines_for(service, request_id: str, timeout: float = 10.0) -> list[str]:
@@ -34,24 +36,35 @@ def lines_for(service, request_id: str, timeout: float = 10.0) -> list[str]:
     return []
 
 
-def test_each_request_ends_with_one_line_of_counts_and_times(stack):
-    decode, router, _ = stack
+def completion_line(router) -> tuple[dict, dict, str]:
     r = httpx.post(f"http://{router.info['http']}/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
     assert r.status_code == 200
     body = r.json()
-    request_id = body["id"].removeprefix("cmpl-")
-    (line,) = lines_for(router, request_id)
-    fields = dict(re.findall(r"(\w+)=(\S+)", line))
+    (line,) = lines_for(router, body["id"].removeprefix("cmpl-"))
+    return body, dict(re.findall(r"(\w+)=(\S+)", line)), line
+
+
+def test_each_request_ends_with_one_line_of_counts_and_times(stack):
+    decode, router, _, prefill, _ = stack
+    body, fields, line = completion_line(router)
     assert " ok " in line and fields["decode"] == decode.grpc
+    assert fields["prefill"] == prefill.grpc  # disaggregated: the prefill worker offered
     assert int(fields["prompt"]) == body["usage"]["prompt_tokens"]
     assert int(fields["output"]) == 5 and fields["finish"] == "length"
     assert 0 < float(fields["ttft"].rstrip("s")) <= float(fields["e2e"].rstrip("s"))
     assert "pumpernickel" not in router.output()
 
 
+def test_a_prompt_the_decode_worker_prefills_itself_logs_prefill_local(stack):
+    decode, _, _, _, local_router = stack
+    body, fields, line = completion_line(local_router)  # a prompt under 64 tokens: local
+    assert " ok " in line and fields["decode"] == decode.grpc and fields["prefill"] == "local"
+    assert int(fields["prompt"]) == body["usage"]["prompt_tokens"] <= 64
+
+
 def test_a_refused_request_logs_its_error_and_the_flag_turns_lines_off(stack):
-    _, router, quiet = stack
+    _, router, quiet, _, _ = stack
     # more tokens than the decode worker's 8 blocks of 16 hold: refused before any token
     r = httpx.post(f"http://{router.info['http']}/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": [1] * 200, "max_tokens": 50})
