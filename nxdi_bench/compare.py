@@ -1,5 +1,6 @@
 """The comparison runner: start each configuration, run the same workload against it (warm-up,
-an unloaded baseline, a goodput sweep), stop it, then write results.json, table.md and plots.
+an unloaded baseline, a goodput sweep), stop it, then write results.json, table.md and plots;
+our configurations' process output goes to logs/<configuration>.log as they run.
 
 A configuration that cannot start (a peer that does not install or run here) is recorded with
 its error and the run goes on with the others."""
@@ -66,7 +67,7 @@ def _meta(s: CompareSettings) -> dict:
 
 
 def _run_config(name: str, s: CompareSettings, builder: PromptBuilder, progress) -> tuple[dict, dict]:
-    with serve(name, s.serve, progress) as target:
+    with serve(name, s.serve, progress, s.out_dir / "logs" / f"{name}.log") as target:
         runner = Runner(target, s.workload, builder, s.slo, s.sweep, label=name)
         progress(f"[{name}] serving at {target.base_url} (model {target.model}); warming up")
         runner.warm_up()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -117,13 +118,22 @@ def served_model_id(base_url: str, api_key: str = "") -> str:
 
 
 @contextlib.contextmanager
-def serve(name: str, s: ServeSettings, progress=print) -> Iterator[LoadTarget]:
-    """Start configuration ``name``, yield where to send requests, stop it on exit."""
+def serve(name: str, s: ServeSettings, progress=print,
+          log_path: Path | None = None) -> Iterator[LoadTarget]:
+    """Start configuration ``name``, yield where to send requests, stop it on exit. Ours write
+    every process's output to ``log_path`` (each line after its process's name), where given:
+    the router's request lines among it (which prefill worker each prompt went to, or local)."""
     if name not in CONFIGS:
         raise ValueError(f"configuration: unknown name {name!r}; choose from {', '.join(CONFIGS)}")
     if name in OURS:
-        progress(f"[{name}] starting router and workers")
-        with Cluster(our_launch_spec(name, s)) as cluster:
+        progress(f"[{name}] starting router and workers"
+                 + (f" (output: {log_path})" if log_path is not None else ""))
+        with contextlib.ExitStack() as stack:
+            log = None
+            if log_path is not None:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                log = stack.enter_context(open(log_path, "w", buffering=1))
+            cluster = stack.enter_context(Cluster(our_launch_spec(name, s), echo=log))
             url = cluster.http_url
             yield LoadTarget(url, served_model_id(url), OUR_EXTRA_BODY)
         return

@@ -48,6 +48,27 @@ def test_quick_compare_measures_both_of_our_configurations(quick_run):
         assert res["cdf"]["ttft_s"] and res["cdf"]["itl_s"]
 
 
+def test_each_of_our_configurations_leaves_its_processes_output(quick_run):
+    """logs/<configuration>.log: every process's lines, the router's request lines among them,
+    which say where each prompt was prefilled: the prefill worker (disaggregated) or the decode
+    worker itself (aggregated)."""
+    _, out = quick_run
+    results = json.loads((out / "results.json").read_text())
+    for name in ("disaggregated", "aggregated"):
+        text = (out / "logs" / f"{name}.log").read_text()
+        served = [line for line in text.splitlines() if line.startswith("[router")
+                  and " ok decode=" in line]
+        res = results["configs"][name]
+        assert len(served) >= res["unloaded"]["completed"] + sum(
+            p["summary"]["completed"] for p in res["sweep"]["points"]), name
+        places = {line.split("prefill=", 1)[1].split()[0] for line in served}
+        if name == "aggregated":
+            assert places == {"local"}
+        else:
+            assert "local" not in places and all(":" in p for p in places), places
+        assert any(line.startswith("[decode") for line in text.splitlines())
+
+
 def test_outputs_are_exactly_as_long_as_requested(quick_run):
     _, out = quick_run
     records = json.loads((out / "records.json").read_text())
