@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
