@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
-from bench_model import read_bandwidth_gbs
+from bench_model import _median_time, read_bandwidth_gbs
 from nxdi_common import kernels
 from nxdi_common.modules.linear import pack_panels, panel_pairs_native
 from nxdi_common.runtime import keep_large_buffers_in_heap
@@ -26,13 +25,9 @@ SHAPES = [(576 + 2 * 192, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(4
 
 
 def median_s(fn, repeats: int = 20) -> float:
+    """Median seconds of fn over `repeats` runs after one warm-up run."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _median_time(fn, repeats)
 
 
 def main(argv=None) -> int:

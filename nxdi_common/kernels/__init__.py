@@ -82,6 +82,19 @@ def cpu_is_intel() -> bool:
         return False
 
 
+@functools.cache
+def cpu_family() -> int:
+    """The x86 CPU's family from /proc/cpuinfo ("cpu family": AMD Zen 4 25, Zen 5 26; Intel 6),
+    0 where it is not listed. panel_linear.cpp's stream_prefetch reads the same from CPUID."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu family"):
+                return int(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def panels_suit_this_cpu(quantized: bool = False) -> bool:
     """True on x86 CPUs with AVX2 and FMA where our panel kernel beats torch's and oneDNN's
     bfloat16 products (modules/linear.py). Without AMX: without bfloat16 dot products torch's
