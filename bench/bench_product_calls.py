@@ -4,7 +4,7 @@ many weight bytes (576 inputs), on two threads and on one, in rounds alternating
 (this machine is too noisy to compare separate runs). Prints each round's times and GB/s, the
 read probe of bench_model.py, and per thread count the median ratio of the 121 calls' time per
 byte to the one call's: ~1.0 means each call's start and end cost nothing; more is what the
-calls add (session 53, AMD Zen 5: 1.21 on two threads, 1.03 on one).
+calls add (session 53, AMD Zen 5: 1.09-1.21 on two threads, 1.03-1.04 on one).
 
     .venv/bin/python bench/bench_product_calls.py [--rounds 5] [--rows 1]
 """

@@ -49,14 +49,19 @@ def kernel_cache_dir() -> Path:
 
 
 @functools.cache
-def _cpu_flags_line() -> str | None:
+def _cpuinfo_line(key: str) -> str | None:
+    """The first line of /proc/cpuinfo that starts with `key` (None where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(key):
                 return line
     except OSError:
         pass
     return None
+
+
+def _cpu_flags_line() -> str | None:
+    return _cpuinfo_line("flags")
 
 
 def _cpu_identity() -> str:
@@ -82,17 +87,14 @@ def cpu_is_intel() -> bool:
         return False
 
 
-@functools.cache
 def cpu_family() -> int:
     """The x86 CPU's family from /proc/cpuinfo ("cpu family": AMD Zen 4 25, Zen 5 26; Intel 6),
     0 where it is not listed. panel_linear.cpp's stream_prefetch reads the same from CPUID."""
+    line = _cpuinfo_line("cpu family")
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("cpu family"):
-                return int(line.split(":", 1)[1])
-    except (OSError, ValueError):
-        pass
-    return 0
+        return int(line.split(":", 1)[1]) if line else 0
+    except ValueError:
+        return 0
 
 
 def panels_suit_this_cpu(quantized: bool = False) -> bool:

@@ -115,11 +115,12 @@ unsigned cpu_family() {
 }
 
 // Whether panels read in place from memory prefetch their stream in software:
-// NXDI_PANEL_STREAM_PREFETCH=1 or 0 where set (read once), else on Intel CPUs, AMD Zen 5 and later,
-// and where the library is built without AVX512-BF16 (AVX2 only, e.g. AMD Zen 3), not on AMD Zen 4. With
-// AVX512-BF16 it decides for up to kOneStreamRows rows of the dot-product path (run_dot, whose
-// comment has the Zen 4 and Intel figures); everywhere it decides for panel_rows' tiles of
-// panels read in place (bfloat16 and float32 panels at any rows, float16 and int8 up to kMR).
+// NXDI_PANEL_STREAM_PREFETCH=1 or 0 where set (read once), else on Intel CPUs, on AMD Zen 5 and
+// later, and where the library is built without AVX512-BF16 (AVX2 only, e.g. AMD Zen 3), not on
+// AMD Zen 4. With AVX512-BF16 it decides for up to kOneStreamRows rows of the dot-product path
+// (run_dot, whose comment has the Zen 4 and Intel figures); everywhere it decides for
+// panel_rows' tiles of panels read in place (bfloat16 and float32 panels at any rows, float16
+// and int8 up to kMR).
 // On AMD Zen 3 (AVX2) the tiles' prefetch (prefetcht0, kStreamBytes ahead) cut the time of the
 // 121 products of a decode step read from memory, bf16 panels, two threads, in one process with
 // it on and off alternating (panel_prefetch, 12 rounds): 1 row 0.89x, 2 rows 0.82x, 3 rows 0.83x,
