@@ -60,19 +60,15 @@ def _cpuinfo_line(key: str) -> str | None:
     return None
 
 
-def _cpu_flags_line() -> str | None:
-    return _cpuinfo_line("flags")
-
-
 def _cpu_identity() -> str:
     """The CPU's feature flags: the build uses -march=native, so another CPU builds its own."""
     import platform
-    return _cpu_flags_line() or platform.processor() or platform.machine()
+    return _cpuinfo_line("flags") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> frozenset[str]:
     """The x86 CPU's feature flags from /proc/cpuinfo (empty elsewhere)."""
-    line = _cpu_flags_line()
+    line = _cpuinfo_line("flags")
     return frozenset(line.split(":", 1)[1].split()) if line else frozenset()
 
 
