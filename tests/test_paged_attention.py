@@ -164,8 +164,8 @@ def test_bf16_runs_on_dot_products_or_float32_fmas_as_the_cpu_suits(tmp_path):
 def test_the_built_kernels_keep_their_prefetches():
     """Every instantiation of the paged attention kernel (attend_heads: the next block) and of
     the panel products' tiles (dot_tile: the weights 4 KB ahead) in the built library holds its
-    prefetcht1, and every AVX2 panel tile (nxdi_tile::tile: a panel read in place, 4 KB ahead)
-    its prefetcht0: GCC once deleted the attention's prefetch loops outright after an unrelated
+    prefetcht1, every AVX2 panel tile (nxdi_tile::tile: a panel read in place, 4 KB ahead) and
+    every AMX block (amx_block: both panels 4 KB ahead) its prefetcht0: GCC once deleted the attention's prefetch loops outright after an unrelated
     change, silently, and the kernel took up to 1.5x the time from memory (simd.h,
     prefetch_l2)."""
     import shutil
@@ -178,7 +178,8 @@ def test_the_built_kernels_keep_their_prefetches():
     listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(path)], check=True,
                              capture_output=True, text=True).stdout
     instruction = {"_ZN12_GLOBAL__N_112attend_heads": "prefetcht1",
-                   "_ZN12_GLOBAL__N_18dot_tile": "prefetcht1", "_ZN9nxdi_tile4tileI": "prefetcht0"}
+                   "_ZN12_GLOBAL__N_18dot_tile": "prefetcht1", "_ZN9nxdi_tile4tileI": "prefetcht0",
+                   "_ZN12_GLOBAL__N_19amx_block": "prefetcht0"}
     prefixes = tuple(instruction)
     prefetches: dict[str, int] = {}
     name = wanted = None
@@ -194,9 +195,11 @@ def test_the_built_kernels_keep_their_prefetches():
             prefetches[name] += 1
     flags = kernels.cpu_flags()
     # dot_tile: the bf16 dot-product and FMA tiles, built where the CPU has AVX512-BF16;
-    # nxdi_tile::tile: the float32 FMA tiles, built where it has AVX2 and FMA
+    # nxdi_tile::tile: the float32 FMA tiles, built where it has AVX2 and FMA; amx_block: built
+    # where it has AMX-BF16 (whether or not Linux grants the tiles)
     expected = [prefixes[0]] + ([prefixes[1]] if "avx512_bf16" in flags else []) + (
-        [prefixes[2]] if {"avx2", "fma"} <= flags else [])
+        [prefixes[2]] if {"avx2", "fma"} <= flags else []) + (
+        [prefixes[3]] if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags else [])
     for prefix in expected:
         assert any(n.startswith(prefix) for n in prefetches), f"no {prefix} in the library"
     assert all(prefetches.values()), [n for n, c in prefetches.items() if c == 0][:3]

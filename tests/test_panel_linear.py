@@ -125,6 +125,28 @@ def test_amx_tiles_give_the_rounded_exact_product(ops, rows, in_features):
 
 
 @needs_amx_tiles
+@pytest.mark.parametrize("in_features", [600, 77])
+def test_amx_stream_prefetch_changes_no_result(ops, torch_threads, in_features):
+    """Up to four rows the AMX tiles prefetch both panels' stream 4 KB ahead, past the first
+    panel's end into the next pair's (panel_prefetch turns it off for A/B runs): the same bits
+    either way, for pairs of panels and a panel alone, on one thread and two."""
+    g = torch.Generator().manual_seed(in_features)
+    w = torch.randn(40, in_features, generator=g).bfloat16()
+    pairs = pack_panels(w, pairs=True)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            for rows in (1, 2, 4):
+                x = torch.randn(rows, in_features, generator=g).bfloat16()
+                try:
+                    assert torch.ops.nxdi.panel_prefetch(0) is False
+                    without = ops.panel_linear(x, pairs, 40)
+                finally:
+                    assert torch.ops.nxdi.panel_prefetch(1) is True
+                assert torch.equal(ops.panel_linear(x, pairs, 40), without)
+                assert_rounded_product(without, x, w)
+
+
+@needs_amx_tiles
 def test_amx_tiles_beside_onednn_amx_products_on_two_threads(ops):
     """oneDNN's packed bf16 products and the causal attention's brgemm (AMX kernels of their own
     here) set the same per-thread tile configuration; ours, called in between on two threads,
