@@ -73,6 +73,8 @@ class KVPuller:
         Raises when every candidate failed (the code they agree on, else UNAVAILABLE)."""
         failures: list[tuple[str, grpc.StatusCode, str]] = []
         for address in candidates:
+            if failures and self.metrics is not None:
+                self.metrics.kv_pull_failovers_total.inc()
             try:
                 return await self._pull_from(address, seq)
             except grpc.aio.AioRpcError as exc:

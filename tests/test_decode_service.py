@@ -471,6 +471,19 @@ def test_unreachable_prefill_falls_back_to_local_when_asked(decode, reference):
     wait_for_idle(decode.grpc)
 
 
+def test_a_failed_prefill_candidate_is_passed_over_for_the_next(decode, prefill_worker,
+                                                                reference):
+    """Candidates ranked [nothing listening, a real prefill worker]: the pull fails at the first,
+    takes the KV from the second (transformers' tokens), and counts one failover."""
+    fresh = list(range(9200, 9240))
+    before = _metric(decode, "nxdi_kv_pull_failovers_total")
+    req = request("failover", fresh, 6)
+    req.prefill_candidates.extend(["127.0.0.1:1", prefill_worker.grpc])
+    assert [e.token_id for e in run(collect(decode.grpc, req))] == greedy(reference, fresh, 6)
+    assert _metric(decode, "nxdi_kv_pull_failovers_total") - before == 1
+    wait_for_idle(decode.grpc)
+
+
 @pytest.mark.parametrize("hold", [True, False])
 def test_a_held_first_token_is_sent_as_its_sequence_joins_the_batch(
         spawn_module, tiny_chat_model, prefill_worker, reference, hold):

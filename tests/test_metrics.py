@@ -27,6 +27,7 @@ EXPECTED_FAMILIES = {
     "nxdi_deferred_pieces": "counter",
     "nxdi_kv_socket_transfers": "counter",
     "nxdi_kv_socket_fallbacks": "counter",
+    "nxdi_kv_pull_failovers": "counter",
     "nxdi_admission_waits": "counter",
     "nxdi_preemptions": "counter",
     "nxdi_prefix_cache_hit_tokens": "counter",

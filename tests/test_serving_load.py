@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from nxdi_common.cache_journal import MASK64
-from nxdi_common.serving.launcher import Cluster, LaunchSpec
+from nxdi_common.serving.launcher import Cluster, LaunchSpec, connectable
 from protos.nxdi.serving.v1 import serving_pb2 as pb
 from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
 from router.policies import DECODE, PREFILL
@@ -111,8 +111,14 @@ def test_killed_prefill_worker_loses_no_request(bundled_model_path):
                       router_args=["--policy", "round-robin"])
     with Cluster(spec) as cluster:
         results = asyncio.run(kill_during_load(cluster))
+        decode_metrics = connectable(cluster.worker("decode", 0).ready["metrics"])
+        page = httpx.get(f"http://{decode_metrics}/metrics", timeout=10).text
     assert all(len(events) == 4 for events in results)
     assert all(events[-1].finish_reason == pb.FINISH_REASON_LENGTH for events in results)
+    # the victim's prompts in flight were pulled from the other prefill worker
+    failovers = [line for line in page.splitlines()
+                 if line.startswith("nxdi_kv_pull_failovers_total{")]
+    assert failovers and float(failovers[0].rsplit(" ", 1)[1]) >= 1, failovers
 
 
 async def kill_during_load(cluster):

@@ -63,6 +63,8 @@ COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
      "of the gRPC stream"),
     ("kv_socket_fallbacks", "KV transfers whose KV socket offer was not claimed in time, so "
      "the chunks went on the gRPC stream"),
+    ("kv_pull_failovers", "KV pulls a decode worker took to its next prefill candidate after "
+     "the one before failed (a prefill worker gone, overloaded or refusing)"),
     ("admission_waits", "Requests the router queued because every decode worker was full "
      "(served when room came, or shed with 429 after --queue-timeout-seconds)"),
     ("preemptions", "Running sequences a decode worker preempted for lack of a free KV block "
@@ -108,7 +110,7 @@ class ServingMetrics:
     ``generated_tokens_total``, ``prompt_tokens_total``, ``decode_steps_total``,
     ``token_generation_calls_total``, ``mixed_steps_total``, ``deferred_pieces_total``,
     ``kv_socket_transfers_total``,
-    ``kv_socket_fallbacks_total``, ``prefix_cache_hit_tokens_total``,
+    ``kv_socket_fallbacks_total``, ``kv_pull_failovers_total``, ``prefix_cache_hit_tokens_total``,
     ``local_prefills_total``; and ``requests_total``, an
     :class:`OutcomeCounter` (``requests_total.inc("ok")``)."""
 
