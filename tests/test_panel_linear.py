@@ -103,6 +103,18 @@ def test_pairs_give_the_panels_results_bit_for_bit(ops, rows, in_features):
                        ops.panel_linear(x.float(), panels, 40))
 
 
+def same_bits_without_prefetch(ops, x, panels, out_features):
+    """x times panels with panel_prefetch off, asserted bit for bit equal to the product with
+    it on (the default, set back and read back afterwards); returns the product."""
+    try:
+        assert torch.ops.nxdi.panel_prefetch(0) is False
+        without = ops.panel_linear(x, panels, out_features)
+    finally:
+        assert torch.ops.nxdi.panel_prefetch(1) is True
+    assert torch.equal(ops.panel_linear(x, panels, out_features), without)
+    return without
+
+
 needs_amx_tiles = pytest.mark.skipif(
     not kernels.panel_amx_tiles(), reason="bf16 pairs run on AMX tiles only on CPUs with AMX")
 
@@ -137,13 +149,7 @@ def test_amx_stream_prefetch_changes_no_result(ops, torch_threads, in_features):
         with torch_threads(threads):
             for rows in (1, 2, 4):
                 x = torch.randn(rows, in_features, generator=g).bfloat16()
-                try:
-                    assert torch.ops.nxdi.panel_prefetch(0) is False
-                    without = ops.panel_linear(x, pairs, 40)
-                finally:
-                    assert torch.ops.nxdi.panel_prefetch(1) is True
-                assert torch.equal(ops.panel_linear(x, pairs, 40), without)
-                assert_rounded_product(without, x, w)
+                assert_rounded_product(same_bits_without_prefetch(ops, x, pairs, 40), x, w)
 
 
 @needs_amx_tiles
@@ -284,13 +290,7 @@ def test_the_next_panel_prefetch_changes_no_result(ops, wdtype):
     x = torch.randn(16, 300, generator=g).to(wdtype)
     panels = pack_panels(w, pairs=False)
     assert torch.ops.nxdi.panel_prefetch() is True
-    try:
-        assert torch.ops.nxdi.panel_prefetch(0) is False
-        without = ops.panel_linear(x, panels, 72)
-    finally:
-        assert torch.ops.nxdi.panel_prefetch(1) is True
-    assert torch.equal(ops.panel_linear(x, panels, 72), without)
-    assert_rounded_product(without, x, w)
+    assert_rounded_product(same_bits_without_prefetch(ops, x, panels, 72), x, w)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
