@@ -678,10 +678,11 @@ void amx_block(const BF16* x, int64_t K, const BF16* p0, const BF16* p1, int row
   _tile_zero(0); _tile_zero(1);
   if (TwoA) { _tile_zero(2); _tile_zero(3); }
   const int64_t full = K / kAmxK * kAmxK;
+  const int64_t panel_bytes = (K + 1) / 2 * 2 * kNR * static_cast<int64_t>(sizeof(BF16));
   for (int64_t k = 0; k < full; k += kAmxK) {
     if (prefetch) {
       int64_t ahead = k * kNR * static_cast<int64_t>(sizeof(BF16)) + kStreamBytes;
-      if (TwoB && ahead >= (K + 1) / 2 * 64) ahead += (K + 1) / 2 * 64;
+      if (TwoB && ahead >= panel_bytes) ahead += panel_bytes;
       const char* a0 = reinterpret_cast<const char*>(p0) + ahead;
       const char* a1 = reinterpret_cast<const char*>(p1) + ahead;
 #pragma GCC unroll 16
