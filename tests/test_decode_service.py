@@ -9,12 +9,12 @@ import threading
 import time
 
 import grpc
-import httpx
 import pytest
 import torch
 
 import hf_reference
 from hf_reference import greedy
+from metrics_page import metric_value
 from nxdi_common import kv_transfer
 from nxdi_common.serving import kv_socket
 from protos.nxdi.serving.v1 import serving_pb2 as pb
@@ -432,10 +432,7 @@ def prefill_worker(spawn_module, tiny_chat_model):
 
 
 def _metric(service, name) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(f"http://{service.info['metrics']}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name)
+    return metric_value(service.info["metrics"], name)
 
 
 @pytest.mark.parametrize("socket_on", [True, False])
@@ -542,7 +539,6 @@ def test_short_and_long_sequences_decode_together_and_match_transformers(decode_
     """Three short prompts and a long one. sdpa: length buckets 128 and 256, so each step is two
     token-generation calls (short rows, long rows). paged: one length bucket, one call per step,
     each row reading only its own blocks. Either way every token is transformers' token."""
-    from prometheus_client.parser import text_string_to_metric_families
     kernel, decode_split = decode_mixed
     prompts = [[1, 504, 3458], list(range(300, 330)), [9] * 12, list(range(1000, 1200))]
 
@@ -552,10 +548,8 @@ def test_short_and_long_sequences_decode_together_and_match_transformers(decode_
 
     for ids, events in zip(prompts, run(all_at_once())):
         assert [e.token_id for e in events] == greedy(reference, ids, 16)
-    text = httpx.get(f"http://{decode_split.info['metrics']}/metrics", timeout=10).text
-    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    steps = values["nxdi_decode_steps_total"]
-    calls = values["nxdi_token_generation_calls_total"]
+    steps = _metric(decode_split, "nxdi_decode_steps_total")
+    calls = _metric(decode_split, "nxdi_token_generation_calls_total")
     assert steps >= 16
     assert calls > steps if kernel == "sdpa" else calls == steps
 
@@ -576,24 +570,17 @@ def fp8_pair(spawn_module, tiny_chat_model):
     return prefill, decode
 
 
-def _kv_bytes_received(service) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(f"http://{service.info['metrics']}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "nxdi_kv_transfer_bytes_total")
-
-
 def test_fp8_kv_moves_as_fp8_and_decodes_like_local_prefill(fp8_pair):
     """The prompt's KV crosses as one byte per value (2 layers x K,V x 2 KV heads x 16 dims = 128
     bytes a token, a quarter of float32), lands in the decode worker's float8 cache unchanged, and
     the tokens equal those of a local prefill on the same worker (same cache contents)."""
     prefill, decode = fp8_pair
     ids = list(range(200, 237))
-    before = _kv_bytes_received(decode)
+    before = _metric(decode, "nxdi_kv_transfer_bytes_total")
     remote = request("fp8-remote", ids, 10)
     remote.prefill_candidates.append(prefill.grpc)
     remote_tokens = [e.token_id for e in run(collect(decode.grpc, remote))]
-    assert _kv_bytes_received(decode) - before == len(ids) * 128
+    assert _metric(decode, "nxdi_kv_transfer_bytes_total") - before == len(ids) * 128
     local_tokens = [e.token_id for e in run(collect(decode.grpc, request("fp8-local", ids, 10)))]
     assert remote_tokens == local_tokens and len(remote_tokens) == 10
     wait_for_idle(decode.grpc)
@@ -654,13 +641,6 @@ def test_the_next_turn_finds_the_previous_answers_kv_in_the_prefix_cache(decode_
     assert [e.token_id for e in events] == greedy(reference, turn2, 10)
     # 100 prompt + 29 fed-back answer tokens have KV: 8 full blocks of 16
     assert events[-1].usage.cached_prompt_tokens == (100 + 29) // 16 * 16 == 128
-
-
-def _metric(server, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(f"http://{server.info['metrics']}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name)
 
 
 def test_a_chunked_prefill_lets_running_sequences_step(decode_chunked, reference):
