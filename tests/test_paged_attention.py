@@ -271,6 +271,14 @@ def test_layer_op_takes_the_whole_cache_and_heads_last(op, queries):
     assert got.shape == (q.shape[0], queries, q.shape[1] * q.shape[3])
     assert torch.equal(got, want)
     heads_last = q.transpose(1, 2).contiguous()
+    # int32 indices (and, with one query a row, every other layout) take the path through views
+    assert torch.equal(torch.ops.nxdi.paged_decode_attention_layer(
+        heads_last, cache, 1, table.int(), pos.int(), 0.25), want)
+    with pytest.raises(RuntimeError, match=r"head_dim of q \(64\) and of the cache \(32\)"):
+        torch.ops.nxdi.paged_decode_attention_layer(heads_last, cache[..., :32].contiguous(), 1,
+                                                    table, pos, 0.25)
+    with pytest.raises(RuntimeError, match="position_ids must be"):
+        torch.ops.nxdi.paged_decode_attention_layer(heads_last, cache, 1, table, pos[:, :0], 0.25)
     with pytest.raises(RuntimeError, match="layer 2 is not in 0..1"):
         torch.ops.nxdi.paged_decode_attention_layer(heads_last, cache, 2, table, pos, 0.25)
     with pytest.raises(RuntimeError, match="cache must be"):
