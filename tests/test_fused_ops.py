@@ -119,10 +119,15 @@ def test_rope_qk_store_equals_rope_then_the_block_cache_write(ops, dtype, dim, b
     want_cache = cache.clone()
     q, k, v = attn.project(x, cos, sin)
     mgr.write(want_cache, 1, k, v, (None, None, slots, None))
+    flat_cache = cache.clone()
     heads_in = attn.qkv_proj(x).unflatten(-1, (heads + 2 * kv_heads, dim))
     got = ops.rope_qk_store(heads_in, cos, sin, heads, cache, 1, slots)
     assert torch.equal(got.transpose(1, 2), q)
     assert torch.equal(cache, want_cache)
+    # the projection's [B, S, heads * D] as it is (what the decoder passes): the same
+    got = ops.rope_qk_store(attn.qkv_proj(x), cos, sin, heads, flat_cache, 1, slots)
+    assert torch.equal(got.transpose(1, 2), q)
+    assert torch.equal(flat_cache, want_cache)
 
 
 def test_rope_qk_store_refuses_bad_input_and_writes_nothing(ops):
@@ -136,6 +141,11 @@ def test_rope_qk_store_refuses_bad_input_and_writes_nothing(ops):
         ((x, cs, cs, 2, cache.bfloat16(), 0, slots), "cache dtype BFloat16 differs"),
         ((x, cs, cs, 2, cache, 0, slots.int()), "slots must be int64"),
         ((x, cs, cs, 2, torch.zeros(2, 2, 3, 4, 2, 8), 0, slots), "cache must be a contiguous"),
+        ((x.flatten(2)[..., :-4], cs, cs, 2, cache, 0, slots), r"x \[B, S, 28\] is not whole "
+         "heads of 8"),
+        ((x[0, 0], cs, cs, 2, cache, 0, slots), r"x must be \[B, S, heads, D\] or \[B, S, heads "
+         r"\* D\]"),
+        ((x, cs, cs, 2, cache[0], 0, slots), r"cache must be \[layers, 2"),
     ]:
         with pytest.raises(RuntimeError, match=message):
             ops.rope_qk_store(*args)

@@ -164,12 +164,18 @@ void rope_rows(const T* x, const T* cos, const T* sin, int64_t rows, int64_t hea
   });
 }
 
-// Shapes rope_qk and rope_qk_store share: x [B, S, heads, D], cos and sin [B, 1, S, D] in x's
-// dtype.
-void check_rope_inputs(const char* op, const at::Tensor& x, const at::Tensor& cos,
-                       const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 4, op, ": x must be [B, S, heads, D], got ", x.sizes());
-  const int64_t b = x.size(0), s = x.size(1), d = x.size(3);
+// Shapes rope_qk and rope_qk_store share: x [B, S, heads, D] (or, where `flat_dim` is given,
+// [B, S, heads * flat_dim]), cos and sin [B, 1, S, D] in x's dtype. Returns D.
+int64_t check_rope_inputs(const char* op, const at::Tensor& x, const at::Tensor& cos,
+                          const at::Tensor& sin, int64_t flat_dim = 0) {
+  if (flat_dim > 0 && x.dim() == 3) {
+    TORCH_CHECK(x.size(2) % flat_dim == 0, op, ": x [B, S, ", x.size(2), "] is not whole heads of ",
+                flat_dim);
+  } else {
+    TORCH_CHECK(x.dim() == 4, op, ": x must be [B, S, heads, D]",
+                flat_dim > 0 ? " or [B, S, heads * D]" : "", ", got ", x.sizes());
+  }
+  const int64_t b = x.size(0), s = x.size(1), d = x.dim() == 4 ? x.size(3) : flat_dim;
   TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even, got ", d);
   for (const at::Tensor* t : {&cos, &sin}) {
     TORCH_CHECK(t->dim() == 4 && t->size(0) == b && t->size(1) == 1 && t->size(2) == s &&
@@ -177,6 +183,7 @@ void check_rope_inputs(const char* op, const at::Tensor& x, const at::Tensor& co
                 "], got ", t->sizes());
     TORCH_CHECK(t->scalar_type() == x.scalar_type(), op, ": cos/sin dtype differs from x");
   }
+  return d;
 }
 
 // x [B, S, heads, D]; cos, sin [B, 1, S, D] from rope_cos_sin: the first `rotated` heads rotated.
@@ -197,7 +204,10 @@ at::Tensor rope_qk(const at::Tensor& x_in, const at::Tensor& cos_in, const at::T
   return out;
 }
 
-// A fused attention's q, k, v heads x [B, S, q_heads + 2 * kv_heads, D] (q, then k, then v):
+// A fused attention's q, k, v heads x [B, S, q_heads + 2 * kv_heads, D] (q, then k, then v), or
+// the QKV projection's output [B, S, (q_heads + 2 * kv_heads) * D] as it is (D: the cache's; no
+// view of it made, which in a decode step's graph was an unflatten node per layer, ~3.7 us each
+// right after the projection's weight stream; the Intel VM with AMX, session 56):
 // q and k rotated as rope_qk rotates them, k and v stored in layer `layer` of the block KV cache
 // [layers, 2, blocks, block_size, kv_heads, D] at slots [B, S] (slot = block * block_size +
 // offset), as the block cache manager's write stores them. Returns the rotated q [B, S, q_heads,
@@ -205,8 +215,11 @@ at::Tensor rope_qk(const at::Tensor& x_in, const at::Tensor& cos_in, const at::T
 at::Tensor rope_qk_store(const at::Tensor& x_in, const at::Tensor& cos_in,
                          const at::Tensor& sin_in, int64_t q_heads, at::Tensor& cache,
                          int64_t layer, const at::Tensor& slots_in) {
-  check_rope_inputs("rope_qk_store", x_in, cos_in, sin_in);
-  const int64_t b = x_in.size(0), s = x_in.size(1), heads = x_in.size(2), d = x_in.size(3);
+  TORCH_CHECK(cache.dim() == 6, "rope_qk_store: cache must be [layers, 2, blocks, block_size, "
+              "kv_heads, D], got ", cache.sizes());
+  const int64_t d = check_rope_inputs("rope_qk_store", x_in, cos_in, sin_in, cache.size(5));
+  const int64_t b = x_in.size(0), s = x_in.size(1);
+  const int64_t heads = x_in.dim() == 4 ? x_in.size(2) : x_in.size(2) / d;
   const int64_t kv_heads = (heads - q_heads) / 2;
   TORCH_CHECK(q_heads >= 1 && kv_heads >= 1 && q_heads + 2 * kv_heads == heads,
               "rope_qk_store: x's ", heads, " heads are not q_heads (", q_heads,

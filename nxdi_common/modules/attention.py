@@ -123,7 +123,8 @@ class NeuronAttention(nn.Module):
         Returns residual + attention output when residual is given."""
         if kv_len is not None and self._stores_in_one_op(kv_mgr, x.dtype):
             # attention reads this call's keys from the cache: rotate and store them in one op
-            q = self.fused.rope_qk_store(self._qkv_heads(x), cos, sin, self.num_heads, cache, layer,
+            # the projection as it is, [B, S, (H + 2Hkv) * D]: the op finds the heads itself
+            q = self.fused.rope_qk_store(self.qkv_proj(x), cos, sin, self.num_heads, cache, layer,
                                          index[2])  # [B, S, H, D]
             if mixed is None and self._attends_in_one_op(kv_mgr, q.shape[1]):
                 out = kv_mgr.attend_heads_last(cache, layer, q, index)  # [B, S, H * D]
