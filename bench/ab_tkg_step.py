@@ -3,14 +3,16 @@ block KV cache, compiled), twice, the second time with one optimisation turned o
 two models' steps alternate (--steps each, the first 10 dropped) so that both see the same
 machine; prints the medians and the difference.
 
-    python bench/ab_tkg_step.py --without rope-store|attention-layer-op [--rows 1 8 16]
-                                [--length 256] [--steps 120]
+    python bench/ab_tkg_step.py --without rope-store|attention-layer-op|norm-in-product
+                                [--rows 1 8 16] [--length 256] [--steps 120]
 
 --without rope-store: keys rotated and stored apart (rope_qk, split, stack, index_copy_) instead
 of nxdi::rope_qk_store. --without attention-layer-op: the paged kernel called on the layer's K
 and V selected from the cache, q and its output transposed around it (four selects, two
-transposes and a flatten a layer) instead of nxdi::paged_decode_attention_layer. The second
-model compiles into its own folders (/tmp/nxdi-ab-*)."""
+transposes and a flatten a layer) instead of nxdi::paged_decode_attention_layer. --without
+norm-in-product: every RMSNorm its own nxdi::rms_norm node before the product it feeds
+(Linear.normed as self(norm(x))) instead of inside panel_linear. The second model compiles
+into its own folders (/tmp/nxdi-ab-*)."""
 from __future__ import annotations
 
 import argparse
@@ -29,7 +31,9 @@ import bench_tkg_step as tkg  # noqa: E402
 WITHOUT = {"rope-store": ("nxdi_common.modules.attention", "NeuronAttention", "_stores_in_one_op",
                           lambda self, mgr, dtype: False),
            "attention-layer-op": ("nxdi_common.modules.attention", "NeuronAttention",
-                                  "_attends_in_one_op", lambda self, mgr, tokens: False)}
+                                  "_attends_in_one_op", lambda self, mgr, tokens: False),
+           "norm-in-product": ("nxdi_common.modules.linear", "Linear", "normed",
+                               lambda self, x, norm: self(norm(x)))}
 
 
 def load(opts):

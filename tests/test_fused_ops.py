@@ -467,7 +467,8 @@ def test_block_cache_graphs_rotate_and_store_keys_in_one_op(tiny_llama_ckpt, tmp
     its own keys, still writes them apart. Greedy logits equal the torch-ops build's."""
     block = dict(torch_dtype=torch.float32, is_block_kv_layout=True, pa_block_size=8,
                  pa_num_blocks=16)
-    fused = NeuronLlamaForCausalLM(tiny_llama_ckpt, neuron_config=fused_config(**block))
+    fused = NeuronLlamaForCausalLM(tiny_llama_ckpt,
+                                   neuron_config=fused_config(cpu_weight_layout="panels", **block))
     fused.compile(tmp_path / "fused")
     fused.load(tmp_path / "fused")
     plain = NeuronLlamaForCausalLM(tiny_llama_ckpt,
@@ -479,6 +480,11 @@ def test_block_cache_graphs_rotate_and_store_keys_in_one_op(tiny_llama_ckpt, tmp
     # attention straight from the whole cache, q heads-last: no selects of the cache's layers
     assert "nxdi::paged_decode_attention_layer" in tkg and "aten::select" not in tkg
     assert "nxdi::rope_qk_store" not in cte and "aten::index_copy_" in cte
+    # every RMSNorm inside the product it feeds (panel_linear's norm): none apart in the step;
+    # context encoding keeps the attention's (its projection is not followed by rope_qk_store)
+    layers = fused.config.num_hidden_layers
+    assert "nxdi::rms_norm" not in tkg and tkg.count("nxdi::panel_linear") == 4 * layers + 1
+    assert cte.count("nxdi::rms_norm") == layers
     torch.testing.assert_close(greedy(fused), greedy(plain), rtol=0, atol=1e-5)
 
 

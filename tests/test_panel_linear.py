@@ -350,6 +350,31 @@ def test_int8_panels_times_their_scale_are_the_rounded_exact_product(ops, rows, 
                            dequantize(q, scale.bfloat16()), bias, residual)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("kind", ["bf16 pairs", "bf16", "float32", "int8"])
+def test_a_norm_inside_the_product_is_the_norm_then_the_product_bit_for_bit(ops, rows, kind):
+    """panel_linear(x, ..., norm=w, eps) normalizes x's rows as nxdi::rms_norm does, then
+    multiplies: equal bits to the two ops, for every panel kind and bias; a norm weight of the
+    wrong size is refused by rms_norm's message."""
+    g = torch.Generator().manual_seed(rows)
+    dtype = torch.float32 if kind == "float32" else torch.bfloat16
+    w = torch.randn(40, 77, generator=g)
+    scale = None
+    if kind == "int8":
+        q, scale = quantize_tensor(w, "per_channel_symmetric")
+        panels, scale = pack_panels(q), scale.bfloat16()
+    else:
+        panels = pack_panels(w.to(dtype), pairs=kind == "bf16 pairs")
+    x = (torch.randn(2, rows, 77, generator=g) * 3).to(dtype)
+    norm_w, bias = torch.randn(77, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
+    want = ops.panel_linear(ops.rms_norm(x, norm_w, 1e-5), panels, 40, bias, None, scale)
+    got = ops.panel_linear(x, panels, 40, bias, None, scale, norm_w, 1e-5)
+    assert torch.equal(got, want)
+    assert not torch.equal(ops.panel_linear(x, panels, 40, bias, None, scale, norm_w, 1e-1), want)
+    with pytest.raises(RuntimeError, match=r"rms_norm: weight must be \[n\] for x"):
+        ops.panel_linear(x, panels, 40, bias, None, scale, norm_w[:-1], 1e-5)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 64), (3, 64), (2, 9, 64)])
 def test_bias_and_residual_are_added_before_the_one_rounding(ops, shape):
     g = torch.Generator().manual_seed(len(shape))

@@ -598,6 +598,13 @@ int64_t thread_count() {
 
 }  // namespace
 
+namespace nxdi_fused {
+// nxdi::rms_norm for panel_linear's `norm` argument (one op where a norm feeds a product).
+at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm(x, weight, eps);
+}
+}  // namespace nxdi_fused
+
 TORCH_LIBRARY_FRAGMENT(nxdi, m) {
   m.def("thread_count() -> int");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

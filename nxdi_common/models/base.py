@@ -70,7 +70,7 @@ class NeuronBaseModel(nn.Module):
         else:
             chunk = self._last_token(hidden[:, :mixed], attention_mask[:, :mixed], None)
             hidden = torch.cat([chunk, hidden[:, mixed:].transpose(0, 1)])  # [1 + R, 1, hidden]
-        logits = self.lm_head(self.norm(hidden)).squeeze(1).float()  # [B, V]
+        logits = self.lm_head.normed(hidden, self.norm).squeeze(1).float()  # [B, V]
         if self.sampler is None:
             return (logits,)
         tokens = self.sampler(logits, sampling_params, rand)

@@ -112,7 +112,7 @@ class NeuronAttention(nn.Module):
         return q, k, v.transpose(1, 2)
 
     def forward(self, x, cos, sin, mask, cache, layer: int, kv_mgr, index, kv_len: int | None,
-                residual=None, mixed: int | None = None):
+                residual=None, mixed: int | None = None, norm=None):
         """x [B, S, hidden]; cos/sin from rope_cos_sin; mask None (causal) or [B, 1, S, T] additive
         float (0 = attend, -inf = not). kv_len None means context encoding (attend to this call's
         own keys); an int means token generation (attend to the first kv_len cached positions,
@@ -120,18 +120,20 @@ class NeuronAttention(nn.Module):
         and mask is unused). mixed = C: x is [1, C + R, hidden], a C-token chunk of a prompt
         (block_table row 0) then one token for each of R decode rows (block_table rows 1..R), and
         mask is the pair (chunk's, decode rows') or None; each part attends as it would alone.
-        Returns residual + attention output when residual is given."""
+        Returns residual + attention output when residual is given. norm: an RMSNorm that x
+        goes through first (inside the QKV product where rope_qk_store follows it)."""
         if kv_len is not None and self._stores_in_one_op(kv_mgr, x.dtype):
             # attention reads this call's keys from the cache: rotate and store them in one op
             # the projection as it is, [B, S, (H + 2Hkv) * D]: the op finds the heads itself
-            q = self.fused.rope_qk_store(self.qkv_proj(x), cos, sin, self.num_heads, cache, layer,
+            qkv = self.qkv_proj(x) if norm is None else self.qkv_proj.normed(x, norm)
+            q = self.fused.rope_qk_store(qkv, cos, sin, self.num_heads, cache, layer,
                                          index[2])  # [B, S, H, D]
             if mixed is None and self._attends_in_one_op(kv_mgr, q.shape[1]):
                 out = kv_mgr.attend_heads_last(cache, layer, q, index)  # [B, S, H * D]
                 return self.o_proj(out) if residual is None else self.o_proj.add_to(residual, out)
             q, k, v = q.transpose(1, 2), None, None
         else:
-            q, k, v = self.project(x, cos, sin)
+            q, k, v = self.project(x if norm is None else norm(x), cos, sin)
             kv_mgr.write(cache, layer, k, v, index)  # slots are per token: one write for all
         if mixed is None:
             out = self._attend(q, k, v, mask, cache, layer, kv_mgr, index, kv_len)

@@ -169,6 +169,15 @@ class Linear(nn.Linear):
             return self._unflatten(torch.mv(self.weight, x.view(-1)), x)
         return self._unflatten(torch.addmv(self.bias, self.weight, x.view(-1)), x)
 
+    def normed(self, x: torch.Tensor, norm) -> torch.Tensor:
+        """self(norm(x)) for an RMSNorm `norm`: on panels, with the norm's fused op, one
+        panel_linear that normalizes x's rows first (nxdi::rms_norm's code): one graph node
+        where there were two."""
+        if self._panels() and norm.fused is not None:
+            return torch.ops.nxdi.panel_linear(x, self.weight, self.out_features, self.bias, None,
+                                               None, norm.weight, norm.eps)
+        return self(norm(x))
+
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + self(x), as one kernel when there is no bias."""
         if self.bias is not None:

@@ -189,6 +189,13 @@ class QuantizedLinear(nn.Module):
             y = y + self.bias
         return y.view(list(x.shape[:-1]) + [self.out_features]) if x.dim() != 2 else y
 
+    def normed(self, x: torch.Tensor, norm) -> torch.Tensor:
+        """self(norm(x)), the norm inside the product on panels (Linear.normed)."""
+        if self._panels() and norm.fused is not None:
+            return torch.ops.nxdi.panel_linear(x, self.weight, self.out_features, self.bias, None,
+                                               self.scale, norm.weight, norm.eps)
+        return self(norm(x))
+
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None and self._panels():
             return torch.ops.nxdi.panel_linear(x, self.weight, self.out_features, None, residual,

@@ -76,12 +76,14 @@ class NeuronLlamaMLP(nn.Module):
         self.down_proj = Linear(inter, hidden, **kw)
         self.fused = None  # torch.ops.nxdi with NeuronConfig.cpu_fused_ops: silu * up in one op
 
-    def forward(self, x, residual=None):
-        """The MLP of x; plus residual, in the down projection's kernel, when given."""
+    def forward(self, x, residual=None, norm=None):
+        """The MLP of x (of norm(x) with an RMSNorm `norm`, inside the gate/up product where it
+        can be); plus residual, in the down projection's kernel, when given."""
+        gate_up = self.gate_up_proj(x) if norm is None else self.gate_up_proj.normed(x, norm)
         if self.fused is not None:
-            hidden = self.fused.silu_mul(self.gate_up_proj(x))
+            hidden = self.fused.silu_mul(gate_up)
         else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate, up = gate_up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
         if residual is None:
             return self.down_proj(hidden)
@@ -105,9 +107,9 @@ class NeuronLlamaDecoderLayer(nn.Module):
                                   bool(getattr(config, "mlp_bias", False)), dtype, device)
 
     def forward(self, x, cos, sin, mask, cache, layer, kv_mgr, index, kv_len, mixed=None):
-        x = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, kv_mgr, index,
-                           kv_len, residual=x, mixed=mixed)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+        x = self.self_attn(x, cos, sin, mask, cache, layer, kv_mgr, index, kv_len, residual=x,
+                           mixed=mixed, norm=self.input_layernorm)
+        return self.mlp(x, residual=x, norm=self.post_attention_layernorm)
 
 
 class NeuronLlamaModel(NeuronBaseModel):
