@@ -145,6 +145,16 @@ def panel_pairs_native() -> bool:
     return kernels.kernels_unavailable_reason() is None and torch.ops.nxdi.panel_pairs_native()
 
 
+def normed_product(layer, x: torch.Tensor, norm, scale=None) -> torch.Tensor:
+    """layer(norm(x)) for a Linear or QuantizedLinear `layer` (its int8 `scale`) and an RMSNorm
+    `norm`: on panels, with the norm's fused op, one panel_linear that normalizes x's rows first
+    (nxdi::rms_norm's code), one graph node where there were two."""
+    if layer._panels() and norm.fused is not None:
+        return torch.ops.nxdi.panel_linear(x, layer.weight, layer.out_features, layer.bias, None,
+                                           scale, norm.weight, norm.eps)
+    return layer(norm(x))
+
+
 class Linear(nn.Linear):
     """nn.Linear with the packed and matrix-vector fast paths (module doc), and `add_to`, which
     folds a residual addition into the same kernel."""
@@ -170,13 +180,8 @@ class Linear(nn.Linear):
         return self._unflatten(torch.addmv(self.bias, self.weight, x.view(-1)), x)
 
     def normed(self, x: torch.Tensor, norm) -> torch.Tensor:
-        """self(norm(x)) for an RMSNorm `norm`: on panels, with the norm's fused op, one
-        panel_linear that normalizes x's rows first (nxdi::rms_norm's code): one graph node
-        where there were two."""
-        if self._panels() and norm.fused is not None:
-            return torch.ops.nxdi.panel_linear(x, self.weight, self.out_features, self.bias, None,
-                                               None, norm.weight, norm.eps)
-        return self(norm(x))
+        """self(norm(x)) for an RMSNorm `norm` (normed_product)."""
+        return normed_product(self, x, norm)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + self(x), as one kernel when there is no bias."""

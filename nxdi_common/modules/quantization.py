@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdi_common.modules.linear import (ONEDNN, PANELS, Linear, onednn_ops, pack_panels,
-                                        pack_weight)
+from nxdi_common.modules.linear import (ONEDNN, PANELS, Linear, normed_product, onednn_ops,
+                                        pack_panels, pack_weight)
 
 INT8_MAX = 127
 # Projections a Llama-family decoder quantizes; q/k/v and gate/up are fused in the model, so
@@ -190,11 +190,8 @@ class QuantizedLinear(nn.Module):
         return y.view(list(x.shape[:-1]) + [self.out_features]) if x.dim() != 2 else y
 
     def normed(self, x: torch.Tensor, norm) -> torch.Tensor:
-        """self(norm(x)), the norm inside the product on panels (Linear.normed)."""
-        if self._panels() and norm.fused is not None:
-            return torch.ops.nxdi.panel_linear(x, self.weight, self.out_features, self.bias, None,
-                                               self.scale, norm.weight, norm.eps)
-        return self(norm(x))
+        """self(norm(x)), the norm inside the product on panels (linear.normed_product)."""
+        return normed_product(self, x, norm, self.scale)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None and self._panels():
