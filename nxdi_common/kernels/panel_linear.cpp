@@ -665,7 +665,7 @@ void configure_tiles(int r0, int r1) {
 
 // c[q][r * 16 + j] (q < 2 panels, r < rows <= 32, c[q] at c + q * 32 * 16) = x rows times the
 // panels; `tail_a` and `tail_b` are scratch for the last K % 32 inputs, zero-padded.
-// With `prefetch` (run_amx: up to kOneStreamRows rows where stream_prefetch()) each step
+// With `prefetch` (run_amx: up to kAmxBlockRows rows where stream_prefetch()) each step
 // prefetches (prefetcht0) both panels' 16 lines kStreamBytes ahead of its B tiles; past p0's end
 // that line is the next pair's (p0's goes to p1 + panel, p1's to the panel after it), which the
 // walk reads next, as dot_tile's do. On the Intel VM with AMX (family 6, session 55) the 121
@@ -673,8 +673,15 @@ void configure_tiles(int r0, int r1) {
 // alternating, 10 rounds): 1 row 0.956x the time, 2 rows 0.955x, 4 rows 0.939x; prefetching
 // into the panel itself past its end (the line p1 reads now) gained about half of that. Swept
 // (alternating processes): 2 KB and 8 KB ahead 1.05-1.08x the time of 4 KB, 16 KB 1.1-1.3x,
-// prefetcht1 1.06x. From 8 rows on it was a coin flip (8 rows 0.97-0.99x, 16 rows 1.00x,
-// 32 rows 0.94-0.97x, 64 rows 1.07x), so more rows go without.
+// prefetcht1 1.06x. From 8 rows on it was a coin flip then (8 rows 0.97-0.99x, 16 rows 1.00x,
+// 32 rows 0.94-0.97x, 64 rows 1.07x) and up to 4 rows prefetched. Session 57, the same VM, the
+// products alone in one process (12 rounds, two threads): 8 rows 0.938x, 16 rows 0.945-0.963x
+// (three runs), 32 rows 0.926-0.938x, 40 rows 0.999x, 64 rows 1.075x, 96 rows 1.09x; one thread
+// 16 rows 0.950x. A standalone loop of these tiles from memory (one thread, 64 MB of B tiles)
+// read 23.7 GB/s at 16 rows without the prefetch and 28.1 with it (27.1 and 28.6 at one row):
+// each 16-row tdpbf16ps holds up the next tile loads. So up to one block of rows (32: the whole
+// product in one pass over the panels) prefetches; with more the panels are read again for
+// each 32 rows, from the caches.
 template <bool TwoA, bool TwoB>
 void amx_block(const BF16* x, int64_t K, const BF16* p0, const BF16* p1, int rows, float* c,
                BF16* tail_a, BF16* tail_b, bool prefetch) {
@@ -756,7 +763,7 @@ struct AmxChunk {
 void run_amx(const Problem& pb, const BF16* x, const BF16* pairs, const BF16* bias,
              const BF16* residual, BF16* out) {
   const int64_t stride = (pb.K + 1) / 2 * 2 * kNR;  // values a panel
-  const bool prefetch = pb.M <= kOneStreamRows && stream_prefetch() &&
+  const bool prefetch = pb.M <= kAmxBlockRows && stream_prefetch() &&
                         prefetch_setting().load(std::memory_order_relaxed);
   for_each_task<AmxChunk>(pb, sizeof(BF16), kAmxBlockRows, 2, [&](int64_t p, int np, int64_t m0,
                                                                   int64_t m1, AmxChunk& ch) {
