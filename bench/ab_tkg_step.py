@@ -3,7 +3,7 @@ block KV cache, compiled), twice, the second time with one optimisation turned o
 two models' steps alternate (--steps each, the first 10 dropped) so that both see the same
 machine; prints the medians and the difference.
 
-    python bench/ab_tkg_step.py --without rope-store|attention-layer-op|norm-in-product
+    python bench/ab_tkg_step.py --without rope-store|attention-layer-op|norm-in-product|panel-prefetch
                                 [--rows 1 8 16] [--length 256] [--steps 120]
 
 --without rope-store: keys rotated and stored apart (rope_qk, split, stack, index_copy_) instead
@@ -12,7 +12,9 @@ and V selected from the cache, q and its output transposed around it (four selec
 transposes and a flatten a layer) instead of nxdi::paged_decode_attention_layer. --without
 norm-in-product: every RMSNorm its own nxdi::rms_norm node before the product it feeds
 (Linear.normed as self(norm(x))) instead of inside panel_linear. The second model compiles
-into its own folders (/tmp/nxdi-ab-*)."""
+into its own folders (/tmp/nxdi-ab-*). --without panel-prefetch: one model, the panel products'
+software prefetch of their weights (torch.ops.nxdi.panel_prefetch) switched off and on before
+each step."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +36,8 @@ WITHOUT = {"rope-store": ("nxdi_common.modules.attention", "NeuronAttention", "_
                                   "_attends_in_one_op", lambda self, mgr, tokens: False),
            "norm-in-product": ("nxdi_common.modules.linear", "Linear", "normed",
                                lambda self, x, norm: self(norm(x)))}
+# Kernel settings switched at run time on one model: name -> set(on)
+SWITCHES = {"panel-prefetch": lambda on: torch.ops.nxdi.panel_prefetch(int(on))}
 
 
 def load(opts):
@@ -42,7 +46,7 @@ def load(opts):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--without", choices=sorted(WITHOUT), required=True)
+    p.add_argument("--without", choices=sorted(WITHOUT) + sorted(SWITCHES), required=True)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
@@ -50,12 +54,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     with_it = load(tkg.ModelOptions(threads=args.threads))
-    module, cls, attr, replacement = WITHOUT[args.without]
-    setattr(getattr(__import__(module, fromlist=[cls]), cls), attr, replacement)
-    for folder in ("/tmp/nxdi-ab-cache", "/tmp/nxdi-ab-compiled"):
-        shutil.rmtree(folder, ignore_errors=True)
-    os.environ["NXDI_COMPILE_CACHE"] = "/tmp/nxdi-ab-cache"  # the source hash is unchanged
-    without = load(tkg.ModelOptions(threads=args.threads, compiled_root="/tmp/nxdi-ab-compiled"))
+    switch = SWITCHES.get(args.without)
+    if switch is not None:
+        without = with_it
+    else:
+        module, cls, attr, replacement = WITHOUT[args.without]
+        setattr(getattr(__import__(module, fromlist=[cls]), cls), attr, replacement)
+        for folder in ("/tmp/nxdi-ab-cache", "/tmp/nxdi-ab-compiled"):
+            shutil.rmtree(folder, ignore_errors=True)
+        os.environ["NXDI_COMPILE_CACHE"] = "/tmp/nxdi-ab-cache"  # the source hash is unchanged
+        without = load(tkg.ModelOptions(threads=args.threads,
+                                        compiled_root="/tmp/nxdi-ab-compiled"))
     with torch.no_grad():
         for rows in args.rows:
             lengths = [args.length] * rows
@@ -63,6 +72,8 @@ def main(argv=None) -> int:
             for i in range(args.steps):
                 order = (("with", with_it), ("without", without))
                 for name, model in order if i % 2 else order[::-1]:
+                    if switch is not None:
+                        switch(name == "with")
                     began = time.perf_counter()
                     tkg.step(model, lengths)
                     times[name].append(time.perf_counter() - began)
@@ -70,6 +81,8 @@ def main(argv=None) -> int:
             print(f"rows {rows:2d} x {args.length}: with {med['with']:.2f} ms, without "
                   f"{args.without} {med['without']:.2f} ms, saved "
                   f"{med['without'] - med['with']:.2f} ms", flush=True)
+    if switch is not None:
+        switch(True)
     return 0
 
 
