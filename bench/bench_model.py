@@ -50,6 +50,27 @@ def weight_bytes(model_dir: str, dtype: torch.dtype) -> int:
     return numel * torch.finfo(dtype).bits // 8
 
 
+def kv_bytes_per_row(model_dir: str, dtype: torch.dtype, kv_layout: str) -> int:
+    """Bytes of K and V one row's decode step reads on average over the NEW_TOKENS steps: the
+    block layout's kernel reads each row's positions up to its own (512..639, 576 on average),
+    the flat layout's SDPA the whole 640-position bucket."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    positions = (PROMPT_LEN + (NEW_TOKENS + 1) / 2 if kv_layout == "block"
+                 else PROMPT_LEN + NEW_TOKENS)
+    per_position = cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    return int(per_position * positions)
+
+
+def read_bound_shares(gbs: float, weights: int, kv_per_row: int, rates: dict) -> dict:
+    """{"b<B>_share_of_read_bound": tokens/s over the bound of the bytes a step of batch B reads
+    (weights + B rows' KV) at gbs} for each batch B -> tokens/s in rates."""
+    return {f"b{batch}_share_of_read_bound":
+            rate / (batch * gbs * 1e9 / (weights + batch * kv_per_row))
+            for batch, rate in rates.items()}
+
+
 def _prod(shape) -> int:
     out = 1
     for s in shape:
@@ -207,9 +228,11 @@ def main(argv=None) -> int:
            "kv_layout": args.kv_layout, "weight_layout": args.weight_layout,
            "sampling": args.sampling}
     res["weight_bytes"] = weight_bytes(model_dir, dtype)
+    res["kv_bytes_per_row"] = kv_bytes_per_row(model_dir, dtype, args.kv_layout)
     ours, path1 = speed_figures(model_dir, dtype, compiled_root, kv_layout=args.kv_layout,
                                 weight_layout=args.weight_layout, sampling=args.sampling,
-                                rounds=args.rounds, weights=res["weight_bytes"])
+                                rounds=args.rounds, weights=res["weight_bytes"],
+                                kv_per_row=res["kv_bytes_per_row"])
     res["read_bandwidth_gbs"] = ours.pop("read_bandwidth_gbs")  # the rounds' median
     res["bound_tok_s"] = res["read_bandwidth_gbs"] * 1e9 / res["weight_bytes"]
     ours.update(load_memory(model_dir, path1))
@@ -229,7 +252,7 @@ def main(argv=None) -> int:
 
 def speed_figures(model_dir: str, dtype, compiled_root: Path, int8: bool = False,
                   kv_layout: str = "flat", weight_layout: str = "auto", sampling: str = "device",
-                  rounds: int = 5, weights: int | None = None):
+                  rounds: int = 5, weights: int | None = None, kv_per_row: int = 0):
     """(prefill and decode tokens/s, the batch-1 compiled folder) of our model.
 
     The decode figures come from `rounds` rounds of: read probe, batch 1, batch 16, read probe.
@@ -237,7 +260,10 @@ def speed_figures(model_dir: str, dtype, compiled_root: Path, int8: bool = False
     probe taken minutes before the decode runs, and batch 1 and batch 16 taken minutes apart,
     compared different machine states; each round's shares (batch 1 against the bound from its
     own two probes, batch 16 against its own batch 1) compare one. The figures are the medians
-    over the rounds, each round's kept in "rounds"."""
+    over the rounds, each round's kept in "rounds". With `kv_per_row`, each batch is also set
+    against the bound of all the bytes its steps read (the weights and its rows' KV), which at
+    batch 16 are the weights plus 16 rows' caches: the ratio batch 16 / batch 1 can reach
+    16 (weights + KV of 1) / (weights + KV of 16) at equal shares of those bounds."""
     one, path1 = build_ours(model_dir, dtype, 1, compiled_root, int8, kv_layout, weight_layout,
                             sampling)
     out = {"prefill_tok_s": ours_prefill(one)}
@@ -252,6 +278,8 @@ def speed_figures(model_dir: str, dtype, compiled_root: Path, int8: bool = False
                f"decode_b{BIG_BATCH}_tok_s": b16, f"b{BIG_BATCH}_over_b1": b16 / b1}
         if weights:
             row["b1_share_of_bound"] = b1 / (gbs * 1e9 / weights)
+        if weights and kv_per_row:
+            row.update(read_bound_shares(gbs, weights, kv_per_row, {1: b1, BIG_BATCH: b16}))
         out["rounds"].append(row)
         print(f"round {i + 1}/{rounds}: read {gbs:.1f} GB/s, batch 1 {b1:.1f} tok/s"
               + (f" ({row['b1_share_of_bound']:.0%} of its bound)" if weights else "")
@@ -292,6 +320,16 @@ def markdown(res: dict) -> str:
         lines.append(f"batch-{BIG_BATCH} / batch-1 in the same round: median "
                      f"{ours[f'b{BIG_BATCH}_over_b1']:.1f}x (rounds "
                      f"{', '.join(f'{x:.1f}x' for x in ratio)})")
+    kv = res.get("kv_bytes_per_row")
+    big_share = f"b{BIG_BATCH}_share_of_read_bound"
+    if kv and rounds and big_share in rounds[0]:
+        w = res["weight_bytes"]
+        lines.append(f"against all the bytes a step reads (weights + {kv / 1e6:.1f} MB of KV a "
+                     f"row): batch 1 median {ours['b1_share_of_read_bound']:.0%}, batch "
+                     f"{BIG_BATCH} median {ours[big_share]:.0%} (rounds "
+                     f"{', '.join(f'{r[big_share]:.0%}' for r in rounds)}); at equal shares "
+                     f"batch {BIG_BATCH} / batch 1 would be "
+                     f"{BIG_BATCH * (w + kv) / (w + BIG_BATCH * kv):.1f}x")
     lines.append(f"memory: load() adds {ours['load_rss_growth_bytes'] / 1e6:.0f} MB resident, "
                  f"{ours['warm_rss_growth_bytes'] / 1e6:.0f} MB after warm-up (weights "
                  f"{res['weight_bytes'] / 1e6:.0f} MB + KV {ours['kv_cache_bytes'] / 1e6:.0f} MB)")
