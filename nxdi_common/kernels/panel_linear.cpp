@@ -701,9 +701,11 @@ void configure_tiles(int r0, int r1) {
 // 32 rows 0.94-0.97x, 64 rows 1.07x) and up to 4 rows prefetched. Session 57, the same VM, the
 // products alone in one process (12 rounds, two threads): 8 rows 0.938x, 16 rows 0.945-0.963x
 // (three runs), 32 rows 0.926-0.938x, 40 rows 0.999x, 64 rows 1.075x, 96 rows 1.09x; one thread
-// 16 rows 0.950x. A standalone loop of these tiles from memory (one thread, 64 MB of B tiles)
-// read 23.7 GB/s at 16 rows without the prefetch and 28.1 with it (27.1 and 28.6 at one row):
-// each 16-row tdpbf16ps holds up the next tile loads. So up to one block of rows (32: the whole
+// 16 rows 0.950x. A standalone loop of these tiles from memory (bench/amx_tile_stream.cpp, one
+// thread, 64 MB of B tiles) read 23.7 GB/s at 16 rows without the prefetch and 28.1 with it
+// (27.1 and 28.6 at one row), and 27.7-28.9 against 29.4-29.5 in three alternating pairs an
+// hour later: a 16-row tdpbf16ps (twice a 1-row one's time in L1) holds up the next tile loads
+// unless they are on their way. So up to one block of rows (32: the whole
 // product in one pass over the panels) prefetches; with more the panels are read again for
 // each 32 rows, from the caches.
 template <bool TwoA, bool TwoB>
