@@ -197,7 +197,7 @@ def load_memory(model_dir: str, compiled: Path) -> dict:
             "process_peak_rss_bytes": peak, "kv_cache_bytes": kv}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", help="checkpoint dir (default: bundled SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -216,7 +216,11 @@ def main(argv=None) -> int:
                         "figures (speed_figures)")
     p.add_argument("--int8", action="store_true",
                    help="also measure int8 weights (per-channel, torch's weight-only int8 kernel)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from nxdi_common.runtime import keep_large_buffers_in_heap
     keep_large_buffers_in_heap()  # as the workers run (nxdi_common/runtime.py)
