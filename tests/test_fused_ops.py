@@ -204,6 +204,24 @@ def test_topk_orders_equal_values_by_index_and_nan_first(ops):
     assert ids[2].tolist() == list(range(256))
 
 
+@pytest.mark.parametrize("vocab,k", [(49152, 256), (300, 256), (81, 10)])
+def test_topk_reads_bf16_and_float16_as_their_float32_values(ops, vocab, k):
+    """bf16 and float16 logits (read in place, not converted to a float32 copy first) give
+    exactly the top-k of their float32 values: ties, NaN, infinities and greedy rows alike."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(4, vocab, generator=g) * 3
+    x[0, :40] = 7.0  # ties
+    x[1, [5, 9, 11]] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    greedy = torch.tensor([False, True, False, True])
+    for dtype in (torch.bfloat16, torch.float16):
+        low = x.to(dtype)
+        for flags in (None, greedy):
+            got, want = ops.topk(low, k, flags), ops.topk(low.float(), k, flags)
+            assert got[0].dtype == torch.float32
+            assert torch.equal(got[1], want[1]), (dtype, flags)
+            assert torch.equal(got[0].nan_to_num(0.5), want[0].nan_to_num(0.5)), (dtype, flags)
+
+
 def test_topk_greedy_rows_get_only_their_argmax(ops):
     """Rows flagged greedy get their argmax first (torch.argmax's first index among ties, a NaN
     row's first NaN) and -inf with that index after it; the other rows their full top-k."""
@@ -239,6 +257,10 @@ def test_sampler_uses_the_fused_topk_only_when_set(ops):
     want = sampler(logits, params, rand)
     sampler.fused = ops
     assert torch.equal(sampler(logits, params, rand), want)
+    # bf16 logits go to the fused op as they are: the same tokens as their float32 copy (bf16
+    # ties: both through the fused op, which orders equal logits by index, torch.topk not)
+    low = logits.bfloat16()
+    assert torch.equal(sampler(low, params, rand), sampler(low.float(), params, rand))
 
 
 def test_greedy_sampler_with_the_fused_op_is_argmax(ops):

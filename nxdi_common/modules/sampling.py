@@ -209,7 +209,8 @@ def sample_from_logits(logits: torch.Tensor, sampling_params: torch.Tensor, rand
     same candidates in the same order, equal logits by index; a greedy row gets only its argmax,
     which is all _first_max reads) or None for torch.topk.
     """
-    logits = logits.float()  # [B, V]
+    if topk is None:  # (the fused op reads bf16 / float16 logits as their float32 values)
+        logits = logits.float()  # [B, V]
     sampling_params = sampling_params.float()  # [B, 3]
     num_candidates = _static_candidate_count(global_topk, logits.shape[-1])  # K
     greedy_row = (sampling_params[:, TEMPERATURE_COL] <= 0) | (sampling_params[:, TOP_K_COL] == 1)
