@@ -143,7 +143,7 @@ unsigned cpu_family() {
 }
 
 // Whether panels read in place from memory prefetch their stream in software (and AMX tiles of
-// up to kOneStreamRows rows, amx_block):
+// up to kAmxBlockRows rows, amx_block):
 // NXDI_PANEL_STREAM_PREFETCH=1 or 0 where set (read once), else on Intel CPUs, on AMD Zen 5 and
 // later, and where the library is built without AVX512-BF16 (AVX2 only, e.g. AMD Zen 3), not on
 // AMD Zen 4. With AVX512-BF16 it decides for up to kOneStreamRows rows of the dot-product path
@@ -705,9 +705,9 @@ void configure_tiles(int r0, int r1) {
 // thread, 64 MB of B tiles) read 23.7 GB/s at 16 rows without the prefetch and 28.1 with it
 // (27.1 and 28.6 at one row), and 27.7-28.9 against 29.4-29.5 in three alternating pairs an
 // hour later: a 16-row tdpbf16ps (twice a 1-row one's time in L1) holds up the next tile loads
-// unless they are on their way. So up to one block of rows (32: the whole
-// product in one pass over the panels) prefetches; with more the panels are read again for
-// each 32 rows, from the caches.
+// unless they are on their way. So up to one block of rows (32: the whole product in one pass
+// over the panels) prefetches; with more the panels are read again for each 32 rows, from the
+// caches.
 template <bool TwoA, bool TwoB>
 void amx_block(const BF16* x, int64_t K, const BF16* p0, const BF16* p1, int rows, float* c,
                BF16* tail_a, BF16* tail_b, bool prefetch) {
