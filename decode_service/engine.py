@@ -521,6 +521,7 @@ class DecodeEngine:
             self.step_s = moving_average(self.step_s, ended - began)
             self.step_measured_ns = time.monotonic_ns()
             if self.metrics is not None:
+                self.metrics.decode_step_duration_seconds.observe(ended - began)
                 self.metrics.decode_steps_total.inc()
                 self.metrics.token_generation_calls_total.inc(len(groups))
 
@@ -798,7 +799,12 @@ class DecodeEngine:
     @torch.no_grad()
     def _decode_step(self, batch: list[Sequence]) -> None:
         """One token for every running sequence (a token-generation call)."""
-        self._finish_step(batch, self.model.forward(**self._step_args(batch)))
+        args = self._step_args(batch)
+        began = time.perf_counter()
+        out = self.model.forward(**args)
+        if self.metrics is not None:
+            self.metrics.token_generation_forward_seconds.observe(time.perf_counter() - began)
+        self._finish_step(batch, out)
 
     def _step_args(self, batch: list[Sequence]) -> dict:
         """forward() arguments of a decode step: [B, 1] inputs, [B, W] block table."""

@@ -552,6 +552,12 @@ def test_short_and_long_sequences_decode_together_and_match_transformers(decode_
     calls = _metric(decode_split, "nxdi_token_generation_calls_total")
     assert steps >= 16
     assert calls > steps if kernel == "sdpa" else calls == steps
+    # every step and every call timed: a step's time holds its calls' and the host work on them
+    mixed = _metric(decode_split, "nxdi_mixed_steps_total")
+    assert _metric(decode_split, "nxdi_decode_step_duration_seconds_count") == steps - mixed
+    assert _metric(decode_split, "nxdi_token_generation_forward_seconds_count") == calls
+    forward_s = _metric(decode_split, "nxdi_token_generation_forward_seconds_sum")
+    assert 0 < forward_s < _metric(decode_split, "nxdi_decode_step_duration_seconds_sum")
 
 
 # ---------------------------------------------------------------------------------------------

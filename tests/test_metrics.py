@@ -10,6 +10,8 @@ EXPECTED_FAMILIES = {
     "nxdi_inter_token_latency_seconds": "histogram",
     "nxdi_e2e_request_latency_seconds": "histogram",
     "nxdi_kv_transfer_duration_seconds": "histogram",
+    "nxdi_decode_step_duration_seconds": "histogram",
+    "nxdi_token_generation_forward_seconds": "histogram",
     "nxdi_queue_depth_requests": "gauge",
     "nxdi_running_sequences": "gauge",
     "nxdi_kv_blocks_used_blocks": "gauge",

@@ -22,6 +22,10 @@ ITL_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25
                        2.5, 5.0, 10.0)
 E2E_BUCKETS_SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
                        600.0, 1200.0)
+# A decode step and its model call: ms to a few hundred ms, finer where steps of a small
+# model on CPU lie (5-100 ms).
+STEP_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
+                        0.05, 0.06, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 KV_TRANSFER_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                                2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -35,6 +39,13 @@ HISTOGRAMS = (
      E2E_BUCKETS_SECONDS),
     ("kv_transfer_duration_seconds", "Time to move one request's KV cache between workers",
      KV_TRANSFER_BUCKETS_SECONDS),
+    ("decode_step_duration_seconds", "Time of one decode step of the running batch (decode "
+     "workers): its token-generation calls and the host work on their tokens (host sampling, "
+     "logprobs, handing tokens to their streams); steps that ride in a prefill piece's call "
+     "not included", STEP_BUCKETS_SECONDS),
+    ("token_generation_forward_seconds", "Time of one token-generation model call alone "
+     "(decode workers); decode_step_duration_seconds less these is the step's host work",
+     STEP_BUCKETS_SECONDS),
 )
 GAUGES = (
     ("queue_depth_requests", "Requests admitted and waiting to run"),
@@ -103,7 +114,8 @@ class ServingMetrics:
 
     Attributes (prometheus_client children, already labelled with the role):
     histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
-    ``e2e_request_latency_seconds``, ``kv_transfer_duration_seconds``; gauges
+    ``e2e_request_latency_seconds``, ``kv_transfer_duration_seconds``,
+    ``decode_step_duration_seconds``, ``token_generation_forward_seconds``; gauges
     ``queue_depth_requests``, ``running_sequences``, ``kv_blocks_used_blocks``,
     ``kv_blocks_free_blocks``, ``open_kv_transfers``, ``queued_prompt_tokens``,
     ``prefill_tokens_per_second``; counters ``kv_transfer_bytes_total``,
