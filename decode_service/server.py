@@ -62,6 +62,9 @@ class DecodeServicer(convert.DecodeServicerBase):
         seq = await self._admit(request, lambda item: handoff.post(events.put_nowait, item))
         task, outcome = None, "cancelled"
         try:
+            # taken: a router waiting for room lets its next request try now, not at our first
+            # token (a prefill away)
+            await context.send_initial_metadata(((t.ADMITTED_METADATA_KEY, "1"),))
             task = self._start_prefill(seq, events)
             async for event in self._stream(seq, events):
                 yield event

@@ -5,7 +5,10 @@ with --scheduling-policy priority), instead of being shed at once with HTTP 429.
 
 Only the request at the head of the queue tries the decode workers again, when room may have
 come (a request this router sent finished, or ``retry_seconds`` passed: room freed by another
-router's requests or by a preempted sequence's return shows up on the next try); a request that
+router's requests or by a preempted sequence's return shows up on the next try), and it leaves
+the queue as soon as a decode worker takes it (its ``nxdi-admitted`` initial metadata), not at
+its first token a prefill later, which let only one queued request in per time to first token
+and made a briefly full worker drain its queue one request at a time; a request that
 arrives while others of its priority or a better one wait queues behind them without trying, so
 a stream of small requests cannot starve a large one. A request leaves the queue when a decode worker takes it, when
 ``timeout_seconds`` pass (then 429, as before the queue existed), or when its client goes away.
@@ -56,6 +59,20 @@ class AdmissionQueue:
             self._room.set()
             self._room = None
 
+    def leave(self, ticket) -> None:
+        """``ticket`` leaves the queue now (a decode worker took its request; it is still in
+        its ``place`` block, waiting for the first token): the next request's turn comes at once.
+        Leaving twice, or leaving the block afterwards, is a no-op."""
+        with contextlib.suppress(ValueError):
+            self._tickets.remove(ticket)
+            self.notify()
+
+    def rejoin(self, ticket) -> None:
+        """``ticket`` (which left) back in its turn: its request failed on the worker that took
+        it before a first token, and waits for room again."""
+        if ticket not in self._tickets:
+            bisect.insort(self._tickets, ticket)
+
     @contextlib.asynccontextmanager
     async def place(self, priority: int = 0):
         """Join the queue behind every request of ``priority`` or a lower value (Overloaded when
@@ -69,8 +86,7 @@ class AdmissionQueue:
         try:
             yield ticket
         finally:
-            self._tickets.remove(ticket)
-            self.notify()
+            self.leave(ticket)
 
     async def turn(self, ticket, deadline: float) -> bool:
         """Wait until ``ticket`` heads the queue and room may have come since this was last

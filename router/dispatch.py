@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from nxdi_common.serving.errors import Overloaded, ServingError, Unavailable
-from nxdi_common.serving.types import TokenOutput
+from nxdi_common.serving.types import ADMITTED_METADATA_KEY, TokenOutput
 from router import convert
 from router.admission import AdmissionQueue
 from router.frontend import RoutedRequest
@@ -232,16 +232,19 @@ class Dispatcher:
             waited = time.monotonic()
             while await queue.turn(ticket, min(deadline, waited + queue.timeout_seconds)):
                 refused = []
-                opened = await self._try_decodes(req, deadline, refused, prefer)
+                opened = await self._try_decodes(req, deadline, refused, prefer,
+                                                 admitted=lambda: queue.leave(ticket))
                 if opened is not None:
                     return opened
+                queue.rejoin(ticket)  # taken, then failed before its first token: wait again
         raise Overloaded(f"every decode worker is full (refused by {', '.join(refused) or '-'}) "
                          f"after {time.monotonic() - waited:.1f} s in the admission queue")
 
     async def _try_decodes(self, req: RoutedRequest, deadline: float, refused: list[str],
-                           prefer: str = ""):
+                           prefer: str = "", admitted=None):
         """Try the decode workers in order (``prefer`` first) until one sends a first token:
-        _open's tuple; None when every one refused (their addresses in ``refused``)."""
+        _open's tuple; None when every one refused (their addresses in ``refused``).
+        ``admitted()`` is called when a worker has taken the request (_first_token)."""
         decodes, prefills = self.plan(req)
         if prefer:  # stable: the policy's order after it
             decodes = sorted(decodes, key=lambda w: w.address != prefer)
@@ -250,7 +253,7 @@ class Dispatcher:
         for worker in decodes:
             call, prefill = self._start(worker, req, prefills, deadline)
             try:
-                first = await self._first_token(call, worker.address, refused)
+                first = await self._first_token(call, worker.address, refused, admitted)
             except BaseException:
                 call.cancel()
                 raise
@@ -296,9 +299,14 @@ class Dispatcher:
         first = next((w for w in ranked if w.address == prefills[0]), None) if prefills else None
         return call, first
 
-    async def _first_token(self, call, address: str, refused: list[str]) -> TokenOutput | None:
-        """The first token; None when this worker refused (try the next)."""
+    async def _first_token(self, call, address: str, refused: list[str],
+                           admitted=None) -> TokenOutput | None:
+        """The first token; None when this worker refused (try the next). With ``admitted``:
+        called as soon as the worker's initial metadata says it took the request (it reserved
+        the KV blocks), before the prompt's KV and the first token."""
         try:
+            if admitted is not None and _taken(await call.initial_metadata()):
+                admitted()
             event = await call.read()
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -315,6 +323,12 @@ class Dispatcher:
             raise WorkerError(grpc.StatusCode.INTERNAL,
                               f"decode worker {address} ended the stream without a token")
         return convert.token_output(event)
+
+
+def _taken(metadata) -> bool:
+    """Whether a decode worker's initial metadata says it took the request (workers from
+    before the key send none until their first token; a refusal sends none)."""
+    return any(key == ADMITTED_METADATA_KEY for key, _ in metadata or ())
 
 
 async def _leader(shared: SharedPrompt, timeout: float) -> str:

@@ -2,6 +2,8 @@
 and a bound; and on real processes (tiny model), a request that the decode worker refuses for
 room waits for it and is served where --queue-timeout-seconds 0 sheds it with HTTP 429."""
 import asyncio
+import os
+import signal
 import time
 
 import httpx
@@ -55,6 +57,25 @@ def test_the_head_retries_every_retry_seconds_and_others_time_out():
             with pytest.raises(Overloaded, match="2 requests already wait"):
                 async with queue.place():
                     pass
+        assert len(queue) == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_taken_request_leaves_before_its_block_ends_and_can_rejoin_its_turn():
+    async def scenario():
+        queue = AdmissionQueue(5, retry_seconds=0.05)
+        async with queue.place() as head, queue.place() as second:
+            assert await queue.turn(head, time.monotonic() + 5)
+            assert not await queue.turn(second, time.monotonic() + 0.1)
+            queue.leave(head)  # a decode worker took it, still inside its place block
+            assert len(queue) == 1
+            assert await queue.turn(second, time.monotonic() + 5)  # the head now
+            queue.rejoin(head)  # failed before its first token: back ahead of `second`
+            assert await queue.turn(head, time.monotonic() + 5)
+            assert not await queue.turn(second, time.monotonic() + 0.1)
+            queue.leave(head)
+            queue.leave(head)  # twice: a no-op
         assert len(queue) == 0
 
     asyncio.run(scenario())
@@ -115,3 +136,68 @@ def test_without_the_queue_it_is_shed_with_429(spawn_module, tiny_chat_model, wo
     codes = sorted(r.status_code for r in two_at_once(http))
     assert codes == [200, 429]
     assert waits(http) == 0
+
+
+def test_a_queued_request_leaves_the_queue_when_a_worker_takes_it(spawn, tiny_chat_model):
+    """Room for two requests comes while two wait: both are taken at once. The prefill worker is
+    paused (SIGSTOP), so a taken request has no first token yet; until the head left the queue
+    only at its first token, the second waited behind it (one queued request let in per time
+    to first token), and a briefly full worker drained its queue one request at a time."""
+    import grpc
+
+    from protos.nxdi.serving.v1 import serving_pb2 as pb
+    from protos.nxdi.serving.v1 import serving_pb2_grpc as pb_grpc
+
+    common = ("--model", tiny_chat_model, "--dtype", "float32", "--backend", "eager",
+              "--threads", "1", "--max-model-len", MAX_LEN)
+    # 16 blocks of 16 tokens: two 100-token prompts (7 blocks each, one spare a live sequence)
+    decode = spawn("decode_service", *common, "--kv-blocks", 16, "--block-size", 16)
+    prefill = spawn("prefill_service", *common)
+    router = spawn("router", "--model", tiny_chat_model, "--max-model-len", MAX_LEN,
+                   "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
+                   "--decode", decode.grpc, "--prefill", prefill.grpc,
+                   "--refresh-seconds", 60)  # the paused prefill worker stays listed healthy
+
+    def blocks_used() -> int:
+        with grpc.insecure_channel(decode.grpc) as channel:
+            return pb_grpc.DecodeStub(channel).GetLoad(pb.GetLoadRequest(), timeout=10) \
+                .kv_blocks_used
+
+    def wait_until(check, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if check():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def holder(i: int) -> None:  # taken, waits for the paused prefill, gives up at its deadline
+        with grpc.insecure_channel(router.grpc) as channel, pytest.raises(grpc.RpcError):
+            list(pb_grpc.RouterStub(channel).Generate(pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=[200 + i] * 100),
+                stop=pb.StopCriteria(max_tokens=4)), timeout=3))
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        holders = [loop.run_in_executor(None, holder, i) for i in range(2)]
+        assert await loop.run_in_executor(None, wait_until, lambda: blocks_used() >= 14, 10)
+        async with httpx.AsyncClient(timeout=120) as client:
+            queued = [asyncio.create_task(client.post(
+                f"http://{router.info['http']}/v1/completions", json={
+                    "model": "tiny", "prompt": [300 + i] * 100, "max_tokens": 4,
+                    "temperature": 0})) for i in range(2)]
+            assert await loop.run_in_executor(
+                None, wait_until, lambda: waits(router.info["http"]) >= 2, 10)
+            await asyncio.gather(*holders)  # their deadlines passed: the room is back
+            # both queued requests taken while neither can have a first token
+            both = await loop.run_in_executor(None, wait_until, lambda: blocks_used() >= 14, 5)
+            os.kill(prefill.proc.pid, signal.SIGCONT)
+            return both, await asyncio.gather(*queued)
+
+    os.kill(prefill.proc.pid, signal.SIGSTOP)
+    try:
+        both, responses = asyncio.run(scenario())
+    finally:
+        os.kill(prefill.proc.pid, signal.SIGCONT)
+    assert both, "the second queued request was not taken before the first one's first token"
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]

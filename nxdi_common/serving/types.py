@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from nxdi_common.serving.errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 20
+# Initial metadata a decode worker sends on Decode.Generate once it has reserved the request's
+# KV blocks (before the prompt's KV arrives and its first token): the router's admission queue
+# lets the next request try as soon as it sees it, not a time-to-first-token later.
+ADMITTED_METADATA_KEY = "nxdi-admitted"
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias

@@ -298,7 +298,9 @@ class DecodeServicer:
     def Generate(self, request, context):
         """Generates tokens for one already-tokenized request, streaming one TokenEvent per token.
         Answers RESOURCE_EXHAUSTED (before streaming anything) when the KV blocks for the request
-        cannot be reserved, so the router can try another decode worker.
+        cannot be reserved, so the router can try another decode worker. Once they are reserved it
+        sends initial metadata "nxdi-admitted: 1" (before the prompt's KV and the first token), so a
+        router queueing requests for room knows at once that this one was taken.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
