@@ -52,7 +52,8 @@ missed a 4 s TTFT in 16-token pieces while the running streams' TPOT had 70% to 
 With local prefill on its own thread (``EngineConfig.local_prefill_nice``, background_prefill)
 the ITL target paces the steps instead (StepPacer: the time between them is the prefill's), and
 a TTFT target stretches the paced gap where the local prompts need a larger share of the core to
-finish within it, at most PACE_STRETCH times the ITL target (_paced_gap_s). At 0.875 req/s on
+finish within it, at most PACE_STRETCH times the ITL target or the step, whichever is longer,
+and to that longest gap while a local prompt is late (_paced_gap_s). At 0.875 req/s on
 `mixed` (BENCHMARKS.md, session 44) an 18 ms target alone made three short local prompts miss
 a 4 s TTFT that 22 ms met; stretched for a 3.5 s target they met it, at a p99 gap of 22.6 ms
 against 24.1-25.1 at 22 ms (at goodput in sweeps: 23.4-24.8 against 25.1, for a higher TTFT).
@@ -118,6 +119,8 @@ STEP_REMEASURE_S = 1.0  # with a TPOT or ITL target: the oldest step time pieces
 # with an ITL and a TTFT target and paced steps: the longest gap _paced_gap_s stretches to, as
 # a multiple of the ITL target
 PACE_STRETCH = 1.5
+# without a TTFT target: how long a local prompt waits before it is late (_paced_gap_s)
+LOCAL_LATE_S = 5.0
 PIECE_COST_DECAY = 0.8  # the weight of earlier pieces in the measured seconds per token
 
 
@@ -391,20 +394,38 @@ class DecodeEngine:
     def _paced_gap_s(self) -> float:
         """The gap the paced steps keep (module doc): the ITL target; with a TTFT target, longer
         where the local prefills need a larger share of the core to finish within it, at most
-        PACE_STRETCH times the ITL target. A gap G leaves the prefill G - step of every G: at
+        PACE_STRETCH times the ITL target or the step, whichever is longer; that longest gap
+        whenever a local prompt is late (_late). A gap G leaves the prefill G - step of every G: at
         its whole-core rate R (tokens per second of its own CPU time) it then goes at
         R (1 - step / G), so a need of N tokens/s takes G = step / (1 - N / R). Prompts that
         would miss even at the longest gap do not stretch it (their tokens still count ahead
         of the later ones)."""
         base, ttft = self.config.itl_target_s, self.config.ttft_target_s
         rate, step = self._background.core_rate.tokens_per_s, self.step_s
-        if ttft is None or not rate or step is None or step >= base:
+        if step is None:
             return base
-        longest = base * PACE_STRETCH
-        need = self._deadline_need(self._background.queued(), within=rate * (1 - step / longest))
-        if need <= rate * (1 - step / base):
+        floor = max(base, step)  # steps longer than the target: no pause left to keep
+        longest = floor * PACE_STRETCH
+        queued = self._background.queued()
+        if self._late(queued):
+            return longest
+        if ttft is None or not rate:
+            return base
+        need = self._deadline_need(queued, within=rate * (1 - step / longest))
+        if need <= rate * (1 - step / floor):
             return base
         return min(longest, step / (1 - need / rate))
+
+    def _late(self, queued: list[Sequence]) -> bool:
+        """Whether a waiting local prompt has waited past the TTFT target (LOCAL_LATE_S
+        without one): then the paced gap is the longest, whatever the others need. Without
+        this a prompt got no core while steps took the ITL target or longer (the pause before
+        a step is the target less the step) or once it could no longer meet its deadline (it
+        needs nothing then), and a decode worker at 4 req/s on `mixed` (session 58) held 30 000
+        prompt tokens of local prefills, and their KV blocks, for minutes."""
+        limit_ns = (self.config.ttft_target_s or LOCAL_LATE_S) * 1e9
+        now = time.monotonic_ns()
+        return any(now - seq.arrival_ns > limit_ns for seq in queued)
 
     def _plan_piece(self) -> tuple[Sequence, int, int]:
         """The next local prefill piece: (sequence, start, end) of its prompt positions."""

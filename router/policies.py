@@ -139,7 +139,13 @@ class LocalPrefillRule:
     fraction of a prefill worker's; without the comparison a long prompt went local behind
     another one while the prefill worker was about to be idle (a 7-8 s TTFT in session 19's
     runs where the prefill worker would have taken ~3 s). A side that has not measured a rate
-    yet does not veto: the queue rule alone decides, as before."""
+    yet does not veto: the queue rule alone decides, as before; except a decode worker that
+    already has local prompts to prefill and no rate yet, which gets no more: its first piece has
+    not finished (its rate is measured from finished pieces), so nothing says its prefill moves
+    at all. In a 4 req/s run on `mixed` (session 58) a decode worker whose prefill thread got no
+    core beside back-to-back steps reported no rate for 50 s and took 30 000 prompt tokens of
+    local prefills meanwhile: their blocks filled its cache and the run's throughput fell to a
+    tenth while the prefill worker stood idle."""
 
     max_tokens: int = 0
     queue_tokens: int = 0
@@ -160,6 +166,8 @@ class LocalPrefillRule:
                 and all(prompt_tokens_ahead(w, now) >= self.queue_tokens for w in prefills)):
             return False
         local = prefill_eta_s(decode.current_load, prompt_len, now) if decode else None
+        if local is None and decode is not None and tokens_ahead_at(decode.current_load, now):
+            return False  # local prompts ahead and no rate yet: they may not be moving at all
         remote = [eta for w in prefills
                   if (eta := prefill_eta_s(w.current_load, prompt_len, now)) is not None]
         return local is None or not remote or local <= min(remote)

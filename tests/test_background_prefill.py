@@ -160,7 +160,7 @@ def test_a_ttft_target_stretches_the_paced_gap_as_far_as_the_local_prompts_need(
         bg.queued = lambda: order  # the local prompts, in the order they run
 
         def waiting(rid: str, tokens: int, left_s: float):
-            first = 1000 + 300 * "abcde".index(rid)
+            first = 1000 + 300 * "abcdef".index(rid)
             seq = engine.admit(DecodeJob(rid, tuple(range(first, first + tokens))), 4,
                                lambda event: None)
             seq.arrival_ns = now - int((4.0 - left_s) * 1e9)
@@ -173,11 +173,17 @@ def test_a_ttft_target_stretches_the_paced_gap_as_far_as_the_local_prompts_need(
         assert engine._paced_gap_s() == pytest.approx(0.025, rel=0.02)
         order.append(waiting("c", 10, 1.0))  # 70/s: more than 30 ms gaps give (66.7/s)
         assert engine._paced_gap_s() == pytest.approx(0.025, rel=0.02)  # c does not stretch it
-        order[0].arrival_ns = now - int(5e9)  # a is past the target: its tokens only count
         order.append(waiting("d", 130, 2.0))  # a-d: 200 in 2 s, 100/s: hopeless as well
         assert engine._paced_gap_s() == pytest.approx(0.025, rel=0.02)  # b's need still holds
-        del order[1:3]  # a (late) and d: 170 in 2 s, hopeless; nothing else needs more
+        del order[1:3]  # a and d: 170 in 2 s, hopeless; nothing else needs more
         assert engine._paced_gap_s() == 0.020
+        order[0].arrival_ns = now - int(5e9)  # a is past the target: late, the longest gap
+        assert engine._paced_gap_s() == pytest.approx(0.030)
+        engine.step_s = 0.025  # steps longer than the ITL target: the longest is 1.5 steps
+        assert engine._paced_gap_s() == pytest.approx(0.0375)
+        order[:] = [waiting("f", 20, 1.0)]  # on time, 20/s: the gap of a step leaves nothing
+        assert engine._paced_gap_s() == pytest.approx(0.025 / 0.8, rel=0.02)  # 25 ms / (1 - 0.2)
+        engine.step_s = 0.010
         order[:] = [waiting("e", 64, 1.0)]  # 64/s: 10 ms / (1 - 0.64)
         stretched = 0.010 / 0.36
         assert engine._paced_gap_s() == pytest.approx(stretched, rel=0.02)

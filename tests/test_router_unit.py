@@ -861,8 +861,14 @@ def test_local_prefill_goes_where_the_prompt_would_be_prefilled_first():
     slow_local = rated("d1:1", DECODE, 300.0, received_ns=100 * s)
     assert rule.prefill_locally(500, [remote], slow_local, now_ns=100 * s)  # 1.67 <= 3.17 s
     assert not rule.prefill_locally(500, [remote, soon], slow_local, now_ns=100 * s)  # > 1.25
-    # a side without a measured rate does not veto; short prompts stay local whatever
-    assert rule.prefill_locally(1600, [remote], rated("d1:1", DECODE, 0.0, 100 * s, 5000),
+    # a side without a measured rate does not veto, but a decode worker without one that
+    # already has local prompts waiting takes no more (they may not be moving at all; session
+    # 58's collapse); short prompts stay local whatever
+    assert rule.prefill_locally(1600, [remote], rated("d1:1", DECODE, 0.0, 100 * s),
+                                now_ns=100 * s)
+    assert not rule.prefill_locally(1600, [remote], rated("d1:1", DECODE, 0.0, 100 * s, 5000),
+                                    now_ns=100 * s)
+    assert rule.prefill_locally(200, [remote], rated("d1:1", DECODE, 0.0, 100 * s, 5000),
                                 now_ns=100 * s)
     assert rule.prefill_locally(1600, [rated("p1:1", PREFILL, 0.0, 0, running=1400)], local,
                                 now_ns=100 * s)
