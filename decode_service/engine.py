@@ -104,6 +104,7 @@ from nxdi_common.modules.kv_cache import SequenceKVWriter
 from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving import types as t
 from nxdi_common.serving.errors import Overloaded
+from nxdi_common.serving.handoff import deferred_wakeups
 from nxdi_common.serving.rates import PrefillRate, moving_average
 from decode_service.background_prefill import BackgroundPrefill, StepPacer, check_nice
 from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
@@ -680,6 +681,10 @@ class DecodeEngine:
                 seq.fail(exc)
 
     def _finish_step(self, seqs: list[Sequence], out) -> None:
+        with deferred_wakeups():  # the step's token events: one wake-up of the loop, at the end
+            self._finish_rows(seqs, out)
+
+    def _finish_rows(self, seqs: list[Sequence], out) -> None:
         # the tokens in one tolist, a row's logits only where its request wants logprobs: a
         # tensor op per row costs ~10 us right after a step (BENCHMARKS.md, session 31)
         for i, (seq, token) in enumerate(zip(seqs, out.tokens.tolist())):

@@ -1,9 +1,11 @@
 """LoopHandoff (nxdi_common/serving/handoff.py): items posted from another thread reach the loop
 in order, a burst in one wake-up, and a closed loop drops them without raising."""
 import asyncio
+import contextlib
 import threading
+import time
 
-from nxdi_common.serving.handoff import LoopHandoff
+from nxdi_common.serving.handoff import LoopHandoff, deferred_wakeups
 
 
 def test_a_burst_arrives_in_order_in_one_wakeup():
@@ -48,3 +50,34 @@ def test_a_closed_loop_drops_items_without_raising():
     loop.close()
     handoff.post(print, "never")  # no RuntimeError into the engine thread
     assert handoff.wakeups == 1
+
+
+def test_posts_inside_deferred_wakeups_wake_the_loop_once_at_the_end():
+    """The loop is free while the engine thread posts a step's events with host work between
+    them: without the block the first post woke it and it drained as the posts came (a GIL
+    handoff per token); inside deferred_wakeups nothing is delivered until the block ends, then
+    everything in order, in one wake-up."""
+    async def run_step(handoff, deferred: bool):
+        got, seen_inside = [], []
+
+        def engine():
+            with deferred_wakeups() if deferred else contextlib.nullcontext():
+                for i in range(5):
+                    handoff.post(got.append, i)
+                    time.sleep(0.02)  # the next row's host work; the loop is free meanwhile
+                seen_inside.append(len(got))
+
+        before = handoff.wakeups
+        thread = threading.Thread(target=engine)
+        thread.start()
+        while thread.is_alive() or len(got) < 5:
+            await asyncio.sleep(0.005)
+        return got, handoff.wakeups - before, seen_inside[0]
+
+    async def main():
+        handoff = LoopHandoff(asyncio.get_running_loop())
+        return await run_step(handoff, False), await run_step(handoff, True)
+
+    (got, wakeups, inside), (d_got, d_wakeups, d_inside) = asyncio.run(main())
+    assert got == list(range(5)) and wakeups == 5 and inside >= 4
+    assert d_got == list(range(5)) and d_wakeups == 1 and d_inside == 0
