@@ -117,8 +117,8 @@ from nxdi_common.serving.detokenize import OutputText
 log = logging.getLogger(__name__)
 K, V = 0, 1
 STEP_REMEASURE_S = 1.0  # with a TPOT or ITL target: the oldest step time pieces are judged by
-# with an ITL and a TTFT target and paced steps: the longest gap _paced_gap_s stretches to, as
-# a multiple of the ITL target
+# with an ITL target and paced steps: the longest gap _paced_gap_s stretches to, as a multiple
+# of the ITL target or of the step, whichever is longer
 PACE_STRETCH = 1.5
 # without a TTFT target: how long a local prompt waits before it is late (_paced_gap_s)
 LOCAL_LATE_S = 5.0

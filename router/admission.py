@@ -5,12 +5,11 @@ with --scheduling-policy priority), instead of being shed at once with HTTP 429.
 
 Only the request at the head of the queue tries the decode workers again, when room may have
 come (a request this router sent finished, or ``retry_seconds`` passed: room freed by another
-router's requests or by a preempted sequence's return shows up on the next try), and it leaves
-the queue as soon as a decode worker takes it (its ``nxdi-admitted`` initial metadata), not at
-its first token a prefill later, which let only one queued request in per time to first token
-and made a briefly full worker drain its queue one request at a time; a request that
+router's requests or by a preempted sequence's return shows up on the next try); a request that
 arrives while others of its priority or a better one wait queues behind them without trying, so
-a stream of small requests cannot starve a large one. A request leaves the queue when a decode worker takes it, when
+a stream of small requests cannot starve a large one. A request leaves the queue when a decode
+worker takes it (its ``nxdi-admitted`` initial metadata; until session 58 only at its first
+token, a prefill later, which let one queued request in per time to first token), when
 ``timeout_seconds`` pass (then 429, as before the queue existed), or when its client goes away.
 More than ``max_waiting`` waiting requests: the next is shed at once. A decode worker's own
 admission (blocks for the prompt plus one spare per live sequence, decode_service/engine.py)

@@ -54,9 +54,9 @@ def test_a_closed_loop_drops_items_without_raising():
 
 def test_posts_inside_deferred_wakeups_wake_the_loop_once_at_the_end():
     """The loop is free while the engine thread posts a step's events with host work between
-    them: without the block the first post woke it and it drained as the posts came (a GIL
-    handoff per token); inside deferred_wakeups nothing is delivered until the block ends, then
-    everything in order, in one wake-up."""
+    them: without the block each post woke it and it drained that one item (a GIL handoff per
+    token); inside deferred_wakeups nothing is delivered until the block ends, then everything
+    in order, in one wake-up."""
     async def run_step(handoff, deferred: bool):
         got, seen_inside = [], []
 
@@ -64,14 +64,16 @@ def test_posts_inside_deferred_wakeups_wake_the_loop_once_at_the_end():
             with deferred_wakeups() if deferred else contextlib.nullcontext():
                 for i in range(5):
                     handoff.post(got.append, i)
-                    time.sleep(0.02)  # the next row's host work; the loop is free meanwhile
+                    deadline = time.monotonic() + (0.05 if deferred else 5)
+                    while len(got) <= i and time.monotonic() < deadline:  # the loop is free
+                        time.sleep(0.005)
                 seen_inside.append(len(got))
 
         before = handoff.wakeups
         thread = threading.Thread(target=engine)
         thread.start()
         while thread.is_alive() or len(got) < 5:
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.002)
         return got, handoff.wakeups - before, seen_inside[0]
 
     async def main():
@@ -79,5 +81,5 @@ def test_posts_inside_deferred_wakeups_wake_the_loop_once_at_the_end():
         return await run_step(handoff, False), await run_step(handoff, True)
 
     (got, wakeups, inside), (d_got, d_wakeups, d_inside) = asyncio.run(main())
-    assert got == list(range(5)) and wakeups == 5 and inside >= 4
+    assert got == list(range(5)) and wakeups == 5 and inside == 5
     assert d_got == list(range(5)) and d_wakeups == 1 and d_inside == 0
