@@ -187,14 +187,16 @@ def test_amx_tiles_can_be_turned_off_for_comparisons():
     AMX) and the library says so."""
     code = ("import torch; from nxdi_common import kernels; "
             "from nxdi_common.modules.linear import pack_panels; "
-            "amx = kernels.panel_amx_tiles(); "
+            "amx = kernels.panel_amx_tiles(); torch.manual_seed(0); "
             "w = torch.randn(40, 77).bfloat16(); x = torch.randn(3, 77).bfloat16(); "
             "y = torch.ops.nxdi.panel_linear(x, pack_panels(w), 40); "
-            "print(amx, (y.float() - x.float() @ w.float().T).abs().max().item())")
+            "ref = x.float() @ w.float().T; "
+            "print(amx, ((y.float() - ref).abs() / (ref.abs() + 1)).max().item())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "NXDI_PANEL_AMX_MIN_ROWS": "0"})
     amx, err = out.stdout.split()
-    assert amx == "False" and float(err) < 0.1
+    assert amx == "False" and float(err) < 2 ** -7  # the output's bf16 rounding (outputs
+    # reach 30-40 here, where a bf16 step is 0.25: an absolute bound failed now and then)
 
 
 def _stream_prefetch_run(env_value: str):
