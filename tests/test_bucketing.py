@@ -12,6 +12,7 @@ from nxdi_common.bucketing import (
     pad_to_bucket,
     prefix_caching_bucket_grid,
     prefix_caching_buckets,
+    prefill_buckets,
     quartered_buckets,
     select_bucket,
     select_prefix_caching_bucket,
@@ -54,6 +55,20 @@ def test_quartered_buckets_pad_long_prompts_by_at_most_a_quarter(max_length, exp
     assert buckets == expected
     for n in range(1025, max_length + 1):  # past 1024: the chosen bucket is < 1.25 n
         assert select_bucket(n, buckets) < 1.25 * n
+
+
+@pytest.mark.parametrize("max_length, expected", [
+    (96, [32, 64, 96]),
+    (512, [32, 64, 128, 192, 256, 384, 512]),
+    (1500, [32, 64, 128, 192, 256, 384, 512, 768, 1024, 1152, 1280, 1408, 1500]),
+    (2048, [32, 64, 128, 192, 256, 384, 512, 768, 1024, 1152, 1280, 1408, 1536, 1664, 1792,
+            1920, 2048]),
+])
+def test_prefill_buckets_pad_by_under_half_then_under_an_eighth(max_length, expected):
+    buckets = prefill_buckets(32, max_length)
+    assert buckets == expected
+    for n in range(129, max_length + 1):  # 129-1023: under 1.5 n; past 1024: under 1.125 n
+        assert select_bucket(n, buckets) < (1.125 if n > 1024 else 1.5) * n
 
 
 def test_generate_buckets_max_not_above_min():

@@ -40,6 +40,14 @@ def test_default_context_buckets_start_at_32_and_are_quartered_past_1024():
     assert small.context_encoding_buckets == [32, 64, 96]
 
 
+def test_prefill_workers_default_to_denser_context_buckets():
+    opts = worker.ModelOptions(max_model_len=2048)
+    assert worker.prefill_neuron_config(opts, 4, 4).context_encoding_buckets == [
+        32, 64, 128, 192, 256, 384, 512, 768, 1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048]
+    given = worker.ModelOptions(max_model_len=2048, context_buckets=(512, 2048))
+    assert worker.prefill_neuron_config(given, 4, 4).context_encoding_buckets == [512, 2048]
+
+
 def test_prefill_pieces_only_where_a_prompt_can_be_longer_than_one():
     opts = worker.ModelOptions(max_model_len=2048)
     assert worker.decode_neuron_config(opts, 4, 64, 16, 256).prefill_chunk_size == 256

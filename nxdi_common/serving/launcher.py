@@ -298,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compiled-root", help="folder for compiled models (default: in the cache)")
     g.add_argument("--quantize", choices=("int8",), help="workers' weights as int8 per channel")
     g.add_argument("--context-buckets", type=parse_buckets, metavar="N,N,...",
-                   help="workers' prompt-length buckets, ending at --max-model-len")
+                   help="workers' prompt-length buckets, ending at --max-model-len (default: "
+                        "the workers' own, denser on prefill workers)")
     g.add_argument("--attention-kernel", choices=("auto", "paged", "sdpa"), default="auto",
                    help="decode attention: paged C++ kernel, gather + torch SDPA, or auto")
     g.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nxdi_common.bucketing import parse_buckets, quartered_buckets, validate_buckets
+from nxdi_common.bucketing import (parse_buckets, prefill_buckets, quartered_buckets,
+                                   validate_buckets)
 from nxdi_common.kv_transfer import ModelFingerprint
 
 log = logging.getLogger(__name__)
@@ -96,9 +97,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     g.add_argument("--context-buckets", type=parse_buckets, metavar="N,N,...",
                    help="prompt-length buckets for context encoding, ending at --max-model-len "
-                        "(default: powers of two from 32 to 1024, then quarter steps: "
-                        "32,64,128,256,512,1024,1280,1536,1792,2048 for 2048); denser buckets pad "
-                        "prompts less and take longer to compile and warm up")
+                        "(default on a decode worker: powers of two from 32 to 1024, then "
+                        "quarter steps: 32,64,128,256,512,1024,1280,1536,1792,2048 for 2048; on a "
+                        "prefill worker denser: 32,64,128,192,256,384,512,768,1024, then steps of "
+                        "1024/8 to 2048); denser buckets pad prompts less and take longer to "
+                        "compile and warm up")
     g.add_argument("--quantize", choices=QUANTIZE,
                    help="int8: weights quantized per output channel (written once, cached next "
                         "to the compiled models); faster decode at small batch, slightly less "
@@ -145,8 +148,9 @@ def prefill_neuron_config(opts: ModelOptions, max_batch_size: int, ctx_batch_siz
                       pa_block_size=block_size, prefill_chunk_size=sizes[-1],
                       mixed_chunk_buckets=sizes, mixed_steps=False,
                       cpu_attention_kernel=opts.attention_kernel, **_paged_token_generation(opts))
-    return _neuron_config(opts, max_batch_size=max_batch_size, ctx_batch_size=ctx_batch_size,
-                          tkg_batch_size=1, max_context_batch_tokens=max_batch_tokens,
+    return _neuron_config(opts, prefill_buckets, max_batch_size=max_batch_size,
+                          ctx_batch_size=ctx_batch_size, tkg_batch_size=1,
+                          max_context_batch_tokens=max_batch_tokens,
                           cpu_weight_layout=prefill_weight_layout(opts), **kwargs)
 
 
@@ -206,7 +210,7 @@ def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: in
                           cpu_attention_kernel=opts.attention_kernel, **kwargs)
 
 
-def _neuron_config(opts: ModelOptions, **kwargs):
+def _neuron_config(opts: ModelOptions, default_buckets=quartered_buckets, **kwargs):
     import torch
     from nxdi_common.config import NeuronConfig, OnDeviceSamplingConfig
     sampling = OnDeviceSamplingConfig(dynamic=True, do_sample=True)
@@ -214,7 +218,9 @@ def _neuron_config(opts: ModelOptions, **kwargs):
     # tokens quarter steps keep the padding under 25% (powers of two would run a 1025-token prompt
     # as 2048, twice the prefill time), and below 128 the 32 and 64 buckets spare short chat
     # prompts most of a 128-token prefill (one AVX2 core: 115 / 198 / 388 ms at 32 / 64 / 128).
-    kwargs["context_encoding_buckets"] = list(opts.context_buckets or quartered_buckets(
+    # Prefill workers, whose time is prefill, take the denser prefill_buckets (more graphs to warm
+    # up: a prefill worker at 2048 started in ~43 s instead of ~34, both workers beside it).
+    kwargs["context_encoding_buckets"] = list(opts.context_buckets or default_buckets(
         MIN_CONTEXT_BUCKET, opts.max_model_len))
     if opts.kv_cache_dtype == "fp8":
         kwargs["kv_cache_quant"] = True
