@@ -58,7 +58,7 @@ def quartered_buckets(min_length: int, max_length: int, quarter_from: int = 1024
     four equal steps, so a prompt longer than ``quarter_from`` is padded by at most 25%; ends at
     ``max_length``. ``quartered_buckets(128, 2048) == [128, 256, 512, 1024, 1280, 1536, 1792,
     2048]`` (NxD's powers of two would pad a 1025-token prompt to 2048)."""
-    return split_buckets(min_length, max_length, lambda size: 4 if size >= quarter_from else 1)
+    return _split_buckets(min_length, max_length, lambda size: 4 if size >= quarter_from else 1)
 
 
 def prefill_buckets(min_length: int, max_length: int, halves_from: int = 128,
@@ -73,17 +73,17 @@ def prefill_buckets(min_length: int, max_length: int, halves_from: int = 128,
     (BENCHMARKS.md, issue 4, session 59), for 7 more lengths to trace and warm up at 2048."""
     def parts(size: int) -> int:
         return 8 if size >= eighths_from else 2 if size >= halves_from else 1
-    return split_buckets(min_length, max_length, parts)
+    return _split_buckets(min_length, max_length, parts)
 
 
-def split_buckets(min_length: int, max_length: int, parts) -> list[int]:
+def _split_buckets(min_length: int, max_length: int, parts) -> list[int]:
     """generate_buckets' powers of two with the doubling from each bucket ``size`` split into
     ``parts(size)`` equal steps (1: not split)."""
     buckets = []
     for size in generate_buckets(min_length, max_length):
-        if buckets and parts(buckets[-1]) > 1:
+        if buckets:
             step = buckets[-1] // parts(buckets[-1])
-            buckets += [b for b in range(buckets[-1] + step, size, step)]
+            buckets += range(buckets[-1] + step, size, step)
         buckets.append(size)
     return buckets
 

@@ -100,7 +100,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default on a decode worker: powers of two from 32 to 1024, then "
                         "quarter steps: 32,64,128,256,512,1024,1280,1536,1792,2048 for 2048; on a "
                         "prefill worker denser: 32,64,128,192,256,384,512,768,1024, then steps of "
-                        "1024/8 to 2048); denser buckets pad prompts less and take longer to "
+                        "128 to 2048); denser buckets pad prompts less and take longer to "
                         "compile and warm up")
     g.add_argument("--quantize", choices=QUANTIZE,
                    help="int8: weights quantized per output channel (written once, cached next "
@@ -219,7 +219,7 @@ def _neuron_config(opts: ModelOptions, default_buckets=quartered_buckets, **kwar
     # as 2048, twice the prefill time), and below 128 the 32 and 64 buckets spare short chat
     # prompts most of a 128-token prefill (one AVX2 core: 115 / 198 / 388 ms at 32 / 64 / 128).
     # Prefill workers, whose time is prefill, take the denser prefill_buckets (more graphs to warm
-    # up: a prefill worker at 2048 started in ~43 s instead of ~34, both workers beside it).
+    # up: the disaggregated stack at 2048 came up in ~43 s instead of ~34, graphs cached).
     kwargs["context_encoding_buckets"] = list(opts.context_buckets or default_buckets(
         MIN_CONTEXT_BUCKET, opts.max_model_len))
     if opts.kv_cache_dtype == "fp8":
