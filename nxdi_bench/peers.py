@@ -61,11 +61,14 @@ VLLM_KVCACHE_GIB = 2  # SmolLM2-135M needs ~23 KB of KV cache per token: 2 GiB i
 LLAMA_CPP_VERSION = "0.3.36"
 _NO_AMX = "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 # AVX-512 machines (AMX listed but faulting); CPUs without AVX-512 (AVX2 + FMA, e.g. AMD Zen 2/3)
-# get an AVX2 build, since an AVX-512 one dies on its first instruction there.
-LLAMA_CPP_CMAKE_ARGS_AVX512 = ("-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON "
-                               f"-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON {_NO_AMX}")
+# get an AVX2 build, since an AVX-512 one dies on its first instruction there. The VNNI and BF16
+# extensions go in only where /proc/cpuinfo lists them: AMD Zen 4 has AVX512-VNNI but not the
+# VEX-encoded AVX-VNNI, and a build with it died on its first product there (SIGILL on
+# `{vex} vpdpbusd`, session 60).
 LLAMA_CPP_CMAKE_ARGS_AVX2 = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON "
                              f"-DGGML_F16C=ON {_NO_AMX}")
+_AVX512_EXTENSIONS = (("avx512_vnni", "GGML_AVX512_VNNI"), ("avx512_bf16", "GGML_AVX512_BF16"),
+                      ("avx_vnni", "GGML_AVX_VNNI"))
 
 
 def llama_cpp_cmake_args(cpu_flags: frozenset[str] | None = None) -> str:
@@ -73,7 +76,11 @@ def llama_cpp_cmake_args(cpu_flags: frozenset[str] | None = None) -> str:
     if cpu_flags is None:
         from nxdi_common.kernels import cpu_flags as read_flags
         cpu_flags = read_flags()
-    return LLAMA_CPP_CMAKE_ARGS_AVX512 if "avx512f" in cpu_flags else LLAMA_CPP_CMAKE_ARGS_AVX2
+    if "avx512f" not in cpu_flags:
+        return LLAMA_CPP_CMAKE_ARGS_AVX2
+    extensions = "".join(f" -D{option}={'ON' if flag in cpu_flags else 'OFF'}"
+                         for flag, option in _AVX512_EXTENSIONS)
+    return f"-DGGML_NATIVE=OFF -DGGML_AVX512=ON{extensions} {_NO_AMX}"
 
 LOOPBACK = "127.0.0.1"
 MARKER_NAME = ".nxdi-installed.json"

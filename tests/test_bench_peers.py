@@ -234,3 +234,10 @@ def test_llama_cpp_is_built_for_the_cpus_vector_width():
     assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_FMA=ON" in avx2
     for args in (avx512, avx2):
         assert "-DGGML_NATIVE=OFF" in args and "-DGGML_AMX_TILE=OFF" in args
+    # each extension only where listed: AMD Zen 4 has AVX512-VNNI and -BF16, not AVX-VNNI
+    zen4 = peers.llama_cpp_cmake_args(frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}))
+    assert "-DGGML_AVX512_VNNI=ON" in zen4 and "-DGGML_AVX512_BF16=ON" in zen4
+    assert "-DGGML_AVX_VNNI=OFF" in zen4
+    assert "-DGGML_AVX512_VNNI=OFF" in avx512 and "-DGGML_AVX_VNNI=OFF" in avx512
+    intel = peers.llama_cpp_cmake_args(frozenset({"avx512f", "avx512_vnni", "avx_vnni"}))
+    assert "-DGGML_AVX_VNNI=ON" in intel and "-DGGML_AVX512_BF16=OFF" in intel
