@@ -340,8 +340,11 @@ def _build_llama_wheel(installer: _Installer, python: Path) -> Path:
     staging.mkdir(parents=True, exist_ok=True)
     installer.run(
         f"building llama-cpp-python=={LLAMA_CPP_VERSION} without AMX (5-10 min on 2 cores)",
-        pip_command(python, "wheel", "--no-deps", "--no-binary", "llama-cpp-python",
-                    "--wheel-dir", str(staging), f"llama-cpp-python=={LLAMA_CPP_VERSION}"),
+        # --no-cache-dir: pip's own cache keys a built wheel on the sdist alone, so without it
+        # pip handed back the wheel it had built with other CMAKE_ARGS (session 60) in 0.5 s
+        pip_command(python, "wheel", "--no-deps", "--no-cache-dir", "--no-binary",
+                    "llama-cpp-python", "--wheel-dir", str(staging),
+                    f"llama-cpp-python=={LLAMA_CPP_VERSION}"),
         env={"CMAKE_ARGS": llama_cpp_cmake_args(), "FORCE_CMAKE": "1"})
     built = sorted(staging.glob("llama_cpp_python-*.whl"))
     if not built:
@@ -360,6 +363,10 @@ def _install_llama(installer: _Installer, python: Path) -> None:
     wheel = _build_llama_wheel(installer, python)
     installer.run("pip install llama-cpp-python[server] from the wheel",
                   pip_command(python, "install", f"{wheel}[server]"))
+    # pip keeps an installed llama-cpp-python of the same version (an earlier build's, say with
+    # flags this CPU faults on) unless told to replace it
+    installer.run("put this build's llama-cpp-python in place",
+                  pip_command(python, "install", "--force-reinstall", "--no-deps", str(wheel)))
 
 
 _VERIFY = {

@@ -225,6 +225,31 @@ def test_llama_wheel_cache_reused(tmp_path):
     assert peers._cached_llama_wheel(tmp_path) == wheel
 
 
+def test_llama_build_bypasses_pips_cache_and_replaces_an_earlier_build(tmp_path):
+    """pip's wheel cache ignores CMAKE_ARGS and pip keeps an installed build of the same
+    version: a build for new flags must compile from source and then replace the old one."""
+    calls = []
+
+    class Installer:
+        root = tmp_path
+
+        def say(self, message):
+            pass
+
+        def run(self, description, argv, env=None):
+            calls.append((list(argv), env))
+            if "wheel" in argv:  # what pip wheel leaves in --wheel-dir
+                out = Path(argv[argv.index("--wheel-dir") + 1])
+                (out / f"llama_cpp_python-{peers.LLAMA_CPP_VERSION}-py3-none-any.whl").write_bytes(b"")
+
+    peers._install_llama(Installer(), Path("/venv/bin/python"))
+    (build, env), *installs = calls
+    assert "--no-cache-dir" in build and env["CMAKE_ARGS"] == peers.llama_cpp_cmake_args()
+    wheel = str(peers._cached_llama_wheel(tmp_path))
+    assert installs[-1][0][-4:] == ["install", "--force-reinstall", "--no-deps", wheel]
+    assert any(argv[-1] == f"{wheel}[server]" for argv, _ in installs)
+
+
 def test_llama_cpp_is_built_for_the_cpus_vector_width():
     """An AVX-512 build dies on its first instruction on an AVX2-only CPU (and AMX faults where
     it is listed): the flags follow the CPU, AMX always off."""
