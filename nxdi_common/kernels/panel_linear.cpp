@@ -517,7 +517,8 @@ using BF16 = c10::BFloat16;
 void dot_panel_rows(const Problem& pb, const uint32_t* xp, const float* xf, const BF16* panels,
                     bool paired,
                     int64_t p, int np, int64_t m0, int64_t m1, const BF16* bias,
-                    const BF16* residual, BF16* out, std::vector<float>& scratch) {
+                    const BF16* residual, BF16* out, std::vector<float>& scratch,
+                    int64_t dot_tw = kDotMR) {
   const int64_t npairs = (pb.K + 1) / 2;
   PanelPairs w_at[2];
   const bool prefetch = pb.M > kOneStreamRows || stream_prefetch();  // few: one stream (dot_tile)
@@ -540,7 +541,7 @@ void dot_panel_rows(const Problem& pb, const uint32_t* xp, const float* xf, cons
   }
   float c[2 * kDotMR * kNR];
   static_assert(kFmaMR * kNR <= 2 * kDotMR * kNR);
-  const int64_t tile = xf != nullptr ? kFmaMR : kDotMR;
+  const int64_t tile = xf != nullptr ? kFmaMR : dot_tw;
   for (int64_t m = m0; m < m1; m += tile) {
     const int rows = static_cast<int>(std::min<int64_t>(tile, m1 - m));
     // The first tile reads the panels from memory, the later ones from L2 (a pair of panels is
@@ -551,7 +552,14 @@ void dot_panel_rows(const Problem& pb, const uint32_t* xp, const float* xf, cons
     // 32 rows 0.970x; a whole decode step of 16 rows x 576 positions 0.968-0.986x.
     if (paired && prefetch)
       for (int q = 0; q < np; ++q) w_at[q].next = m == m0 + tile ? np * w_at[q].bytes : 0;
-    if (xf == nullptr) {
+    if (xf == nullptr && rows > kDotMR) {  // one panel at a time, all rows (run_dot)
+      for (int q = 0; q < np; ++q) {
+        dot_tile_rows<false>(rows, 1, xp + m * npairs, w_at + q, pb.K, c,
+                             std::make_integer_sequence<int, kFmaMR>{});
+        store_tile(c, rows, m, (p + q) * kNR, pb, bias, residual, out);
+      }
+      continue;
+    } else if (xf == nullptr) {
       dot_tile_rows<false>(rows, np, xp + m * npairs, w_at, pb.K, c,
                            std::make_integer_sequence<int, kDotMR>{});
     } else if (rows <= kDotMR) {
@@ -571,7 +579,7 @@ void dot_panel_rows(const Problem& pb, const uint32_t* xp, const float* xf, cons
 }
 
 // x's rows as the tiles read them: 32-bit pairs (x[2i], x[2i + 1]), an odd K's last one
-// (x[K - 1], 0); the tile of rows m.. (m a multiple of kDotMR) at m * npairs, pair-major
+// (x[K - 1], 0); in tiles of `tw` rows, the tile of rows m.. at m * npairs, pair-major
 // ([npairs][the tile's rows]), so that a tile finds each pair of all its rows at one pointer and
 // constant offsets. With x's rows read in place (ldx apart) the 8 x 2 tile kept 8 row pointers,
 // and the compiler spilled them and the loop bounds to the stack or vector registers. Packed,
@@ -580,35 +588,37 @@ void dot_panel_rows(const Problem& pb, const uint32_t* xp, const float* xf, cons
 // (lower in 8 of 10 rounds), 8 rows 1.008x, 1 row 0.987x (one row with an even K is not
 // copied); one thread, one product of 16 x 576 by 576 x 3072 with the weights in L2: 200 ->
 // 209 GFLOPS (the dot products' peak here: 234). 512 rows (a prefill's products) 0.99x.
-const uint32_t* pack_pairs(const BF16* x, int64_t M, int64_t K, std::vector<uint32_t>& buf) {
+const uint32_t* pack_pairs(const BF16* x, int64_t M, int64_t K, std::vector<uint32_t>& buf,
+                           int64_t tw = kDotMR) {
   const int64_t npairs = (K + 1) / 2;
   if (M == 1 && K % 2 == 0) return reinterpret_cast<const uint32_t*>(x);  // already so
   buf.resize(M * npairs);
   auto pack_tile = [&](int64_t m) {
-    const int64_t rows = std::min<int64_t>(kDotMR, M - m);
+    const int64_t rows = std::min<int64_t>(tw, M - m);
     uint32_t* dst = buf.data() + m * npairs;
     int64_t i0 = 0;
-    if (rows == kDotMR) {  // 8 pairs of the 8 rows at a time: an 8 x 8 transpose of 32-bit values
-      for (; i0 + 8 <= K / 2; i0 += 8) {
-        __m256 r[8], t[8];
-        for (int j = 0; j < 8; ++j)
-          r[j] = _mm256_loadu_ps(reinterpret_cast<const float*>(x + (m + j) * K + 2 * i0));
-        for (int j = 0; j < 8; j += 2) {
-          t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
-          t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+    if (rows % kDotMR == 0) {  // 8 pairs of 8 rows at a time: an 8 x 8 transpose of 32-bit values
+      for (; i0 + 8 <= K / 2; i0 += 8)
+        for (int64_t g = 0; g < rows; g += kDotMR) {
+          __m256 r[8], t[8];
+          for (int j = 0; j < 8; ++j)
+            r[j] = _mm256_loadu_ps(reinterpret_cast<const float*>(x + (m + g + j) * K + 2 * i0));
+          for (int j = 0; j < 8; j += 2) {
+            t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+            t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+          }
+          for (int j = 0; j < 8; j += 4) {
+            r[j] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+            r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+            r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
+            r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
+          }
+          float* out = reinterpret_cast<float*>(dst + i0 * rows + g);
+          for (int j = 0; j < 4; ++j) {
+            _mm256_storeu_ps(out + j * rows, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+            _mm256_storeu_ps(out + (j + 4) * rows, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+          }
         }
-        for (int j = 0; j < 8; j += 4) {
-          r[j] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
-          r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
-          r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
-          r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
-        }
-        float* out = reinterpret_cast<float*>(dst + i0 * kDotMR);
-        for (int j = 0; j < 4; ++j) {
-          _mm256_storeu_ps(out + j * 8, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
-          _mm256_storeu_ps(out + (j + 4) * 8, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
-        }
-      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       const c10::BFloat16* row = x + (m + r) * K;
@@ -616,12 +626,12 @@ const uint32_t* pack_pairs(const BF16* x, int64_t M, int64_t K, std::vector<uint
       if (K % 2 != 0) dst[(npairs - 1) * rows + r] = row[K - 1].x;
     }
   };
-  const int64_t tiles = (M + kDotMR - 1) / kDotMR;
+  const int64_t tiles = (M + tw - 1) / tw;
   if (M <= kOnTheFlyRows) {
-    for (int64_t t = 0; t < tiles; ++t) pack_tile(t * kDotMR);
+    for (int64_t t = 0; t < tiles; ++t) pack_tile(t * tw);
   } else {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) pack_tile(t * kDotMR);
+      for (int64_t t = begin; t < end; ++t) pack_tile(t * tw);
     });
   }
   return buf.data();
@@ -633,13 +643,22 @@ void run_dot(const Problem& pb, const BF16* x, const BF16* panels, bool paired,
   const bool fma = fma_min_rows() > 0 && pb.M >= fma_min_rows();
   std::vector<uint32_t> packed;
   std::vector<float> widened;
-  const uint32_t* xp = fma ? nullptr : pack_pairs(x, pb.M, pb.K, packed);
+  // 9-16 rows: one tile of all of them a panel (16 sums), each panel read once; more rows: 8 x 2
+  // tiles. Up to session 60 every batch ran 8 x 2 tiles, so that 16 rows read each pair of panels
+  // twice, the second time from L2 with memory idle. AMD Zen 4, the 121 products of a decode step,
+  // two threads, in one process with the two alternating (12 rounds): 16 rows 0.943x and 0.978x
+  // the time in two runs, 12 rows 0.924x; a whole decode step of 576 positions 0.976x at 16 rows
+  // (12 rounds of 12 lower), 0.980x at 12; 24 and 32 rows as 16-row tiles 0.996-0.997x (not
+  // taken). The same sums in the same order: the same bits.
+  const int64_t dot_tw = !fma && pb.M > kDotMR && pb.M <= kFmaMR ? kFmaMR : kDotMR;
+  const uint32_t* xp = fma ? nullptr : pack_pairs(x, pb.M, pb.K, packed, dot_tw);
   const float* xf = fma ? widen_rows(x, pb.M, pb.K, widened) : nullptr;
-  for_each_task(pb, sizeof(BF16), fma ? kFmaMR : kDotMR, step, [&](int64_t p, int np, int64_t m0, int64_t m1,
-                                                    auto& buf) {
+  const int64_t tile = fma ? kFmaMR : dot_tw;
+  for_each_task(pb, sizeof(BF16), tile, step, [&](int64_t p, int np, int64_t m0, int64_t m1,
+                                                  auto& buf) {
     std::optional<FlushSubnormals> flush;
     if (fma) flush.emplace();
-    dot_panel_rows(pb, xp, xf, panels, paired, p, np, m0, m1, bias, residual, out, buf);
+    dot_panel_rows(pb, xp, xf, panels, paired, p, np, m0, m1, bias, residual, out, buf, dot_tw);
   });
 }
 #endif  // __AVX512BF16__
