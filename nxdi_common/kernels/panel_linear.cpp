@@ -542,37 +542,31 @@ void dot_panel_rows(const Problem& pb, const uint32_t* xp, const float* xf, cons
   float c[2 * kDotMR * kNR];
   static_assert(kFmaMR * kNR <= 2 * kDotMR * kNR);
   const int64_t tile = xf != nullptr ? kFmaMR : dot_tw;
+  // The tile products of rows m.. (rows of them) by n panels from w: x's pairs packed (xp, the
+  // dot products) or widened (xf, float32 FMAs).
+  auto tiles = [&](int rows, int n, const PanelPairs* w, int64_t m, auto mrs) {
+    if (xf == nullptr) return dot_tile_rows<false>(rows, n, xp + m * npairs, w, pb.K, c, mrs);
+    dot_tile_rows<true>(rows, n, xf + 2 * m * npairs, w, pb.K, c, mrs);
+  };
   for (int64_t m = m0; m < m1; m += tile) {
     const int rows = static_cast<int>(std::min<int64_t>(tile, m1 - m));
     // The first tile reads the panels from memory, the later ones from L2 (a pair of panels is
     // 36-98 KB): the second prefetches, line for line as it goes, the np panels the walk reads
     // next, so that memory works under every tile instead of the first alone (which then finds
-    // its lines in L2). AMD Zen 4, the 121 products of a decode step, two threads, in one
-    // process with it on and off alternating (12 rounds): 16 rows 0.950x the time (11 lower),
-    // 32 rows 0.970x; a whole decode step of 16 rows x 576 positions 0.968-0.986x.
+    // its lines in L2). Measured before 9-16 rows became one tile (run_dot): AMD Zen 4, the 121
+    // products of a decode step, two threads, in one process with it on and off alternating
+    // (12 rounds): 16 rows 0.950x the time (11 lower), 32 rows 0.970x; a whole decode step of 16
+    // rows x 576 positions 0.968-0.986x. It now serves 17-32 rows.
     if (paired && prefetch)
       for (int q = 0; q < np; ++q) w_at[q].next = m == m0 + tile ? np * w_at[q].bytes : 0;
-    if (xf == nullptr && rows > kDotMR) {  // one panel at a time, all rows (run_dot)
+    if (rows > kDotMR) {  // more rows than two panels' sums fit in registers: one panel at a time
       for (int q = 0; q < np; ++q) {
-        dot_tile_rows<false>(rows, 1, xp + m * npairs, w_at + q, pb.K, c,
-                             std::make_integer_sequence<int, kFmaMR>{});
-        store_tile(c, rows, m, (p + q) * kNR, pb, bias, residual, out);
-      }
-      continue;
-    } else if (xf == nullptr) {
-      dot_tile_rows<false>(rows, np, xp + m * npairs, w_at, pb.K, c,
-                           std::make_integer_sequence<int, kDotMR>{});
-    } else if (rows <= kDotMR) {
-      dot_tile_rows<true>(rows, np, xf + 2 * m * npairs, w_at, pb.K, c,
-                          std::make_integer_sequence<int, kDotMR>{});
-    } else {  // more rows than two panels' sums fit in registers: one panel at a time
-      for (int q = 0; q < np; ++q) {
-        dot_tile_rows<true>(rows, 1, xf + 2 * m * npairs, w_at + q, pb.K, c,
-                            std::make_integer_sequence<int, kFmaMR>{});
+        tiles(rows, 1, w_at + q, m, std::make_integer_sequence<int, kFmaMR>{});
         store_tile(c, rows, m, (p + q) * kNR, pb, bias, residual, out);
       }
       continue;
     }
+    tiles(rows, np, w_at, m, std::make_integer_sequence<int, kDotMR>{});
     for (int q = 0; q < np; ++q)
       store_tile(c + q * kDotMR * kNR, rows, m, (p + q) * kNR, pb, bias, residual, out);
   }
