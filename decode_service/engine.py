@@ -52,7 +52,8 @@ missed a 4 s TTFT in 16-token pieces while the running streams' TPOT had 70% to 
 With local prefill on its own thread (``EngineConfig.local_prefill_nice``, background_prefill)
 the ITL target paces the steps instead (StepPacer: the time between them is the prefill's), and
 a TTFT target stretches the paced gap where the local prompts need a larger share of the core to
-finish within it, at most PACE_STRETCH times the ITL target or the step, whichever is longer,
+finish within it, at most ``EngineConfig.pace_stretch`` (--pace-stretch, default 1.5) times
+the ITL target or the step, whichever is longer,
 and to that longest gap while a local prompt is late (_paced_gap_s). At 0.875 req/s on
 `mixed` (BENCHMARKS.md, session 44) an 18 ms target alone made three short local prompts miss
 a 4 s TTFT that 22 ms met; stretched for a 3.5 s target they met it, at a p99 gap of 22.6 ms
@@ -154,6 +155,10 @@ class EngineConfig:
     # Send a prompt's first token when its sequence joins the running batch, right before the
     # step that makes its second token, instead of as soon as it is known (module doc).
     hold_first_token: bool = False
+    # With local_prefill_nice, an ITL and a TTFT target: how far the paced gap may stretch for
+    # the local prompts' deadlines, in multiples of the ITL target or the step, whichever is
+    # longer (module doc); 1: never past it.
+    pace_stretch: float = PACE_STRETCH
 
     def __post_init__(self):
         check_nice(self.local_prefill_nice)
@@ -161,6 +166,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        if isinstance(self.pace_stretch, bool) or not (isinstance(self.pace_stretch, (int, float))
+                                                       and 1 <= self.pace_stretch <= 10):
+            raise ValueError(f"pace_stretch must be a number from 1 to 10 (1: the paced gap "
+                             f"never passes the ITL target), got {self.pace_stretch!r}")
 
 
 class DecodeEngine:
@@ -395,7 +404,7 @@ class DecodeEngine:
     def _paced_gap_s(self) -> float:
         """The gap the paced steps keep (module doc): the ITL target; with a TTFT target, longer
         where the local prefills need a larger share of the core to finish within it, at most
-        PACE_STRETCH times the ITL target or the step, whichever is longer; that longest gap
+        pace_stretch times the ITL target or the step, whichever is longer; that longest gap
         whenever a local prompt is late (_late). A gap G leaves the prefill G - step of every G: at
         its whole-core rate R (tokens per second of its own CPU time) it then goes at
         R (1 - step / G), so a need of N tokens/s takes G = step / (1 - N / R). Prompts that
@@ -406,7 +415,7 @@ class DecodeEngine:
         if step is None:
             return base
         floor = max(base, step)  # steps longer than the target: no pause left to keep
-        longest = floor * PACE_STRETCH
+        longest = floor * self.config.pace_stretch
         queued = self._background.queued()
         if self._late(queued):
             return longest

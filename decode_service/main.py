@@ -112,10 +112,15 @@ def _add_local_prefill_args(p) -> None:
                    "every piece --prefill-chunk-tokens")
     p.add_argument("--ttft-target-ms", type=float, default=None, metavar="MS",
                    help="with --itl-target-ms: a local prefill piece is made larger (with "
-                   f"--local-prefill-nice: the paced gap longer, up to {PACE_STRETCH:g}x the ITL "
-                   "target) where "
+                   "--local-prefill-nice: the paced gap longer, up to --pace-stretch times the "
+                   "ITL target) where "
                    "the waiting local prompts would otherwise miss this time to first token from "
                    "their arrival (e.g. the TTFT SLO); default: the ITL target alone")
+    p.add_argument("--pace-stretch", type=float, default=PACE_STRETCH, metavar="X",
+                   help="with --local-prefill-nice, --itl-target-ms and --ttft-target-ms: the "
+                   "paced gap grows for the local prompts' deadlines to at most X times the ITL "
+                   "target (or the step, if longer); 1: never past the target, the inter-token "
+                   f"gap kept at the cost of the local prompts' TTFT (default {PACE_STRETCH:g})")
     p.add_argument("--piece-sizes", type=parse_buckets, default=None, metavar="N,N,...",
                    help="the lengths a local prefill piece is padded to (one chunked-prefill "
                    "and one mixed sub-model is built for each), ascending, ending at "
@@ -131,6 +136,9 @@ def build(args):
                         ("--ttft-target-ms", args.ttft_target_ms)):
         if value is not None and not value > 0:
             raise SystemExit(f"{flag} must be > 0 milliseconds, got {value}")
+    if not 1 <= args.pace_stretch <= 10:
+        raise SystemExit(f"--pace-stretch must be from 1 to 10 (1: the paced gap never passes "
+                         f"--itl-target-ms), got {args.pace_stretch:g}")
     if args.prefill_chunk_tokens < 0:
         raise SystemExit(f"--prefill-chunk-tokens must be >= 0 (0: no chunking), got "
                          f"{args.prefill_chunk_tokens}")
@@ -152,7 +160,8 @@ def build(args):
                               args.tpot_target_ms, args.itl_target_ms, args.ttft_target_ms)),
                           reserve_max_tokens=args.reserve_max_tokens,
                           local_prefill_nice=args.local_prefill_nice,
-                          hold_first_token=args.hold_first_token)
+                          hold_first_token=args.hold_first_token,
+                          pace_stretch=args.pace_stretch)
     engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
                           metrics, runner=compute)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))

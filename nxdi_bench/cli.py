@@ -181,6 +181,10 @@ def _local_prefill_args(g) -> None:
                         "piece larger (the paced gap longer) where waiting local prompts would "
                         "otherwise miss this time to first token (e.g. a little under "
                         "--slo-ttft; default: off)")
+    g.add_argument("--decode-pace-stretch", type=float, default=None, metavar="X",
+                   help="with --decode-ttft-target and --decode-local-prefill-nice: the paced "
+                        "gap grows to at most X times --decode-itl-target (1: never past it; "
+                        "default: the worker's, 1.5)")
 
 
 def _slo(args) -> SLO:
@@ -303,6 +307,7 @@ def _compare_settings(args):
                           prefill_chunk_tokens=args.prefill_chunk_tokens,
                           decode_tpot_target_s=args.decode_tpot_target,
                           decode_itl_target_s=args.decode_itl_target,
+                          decode_pace_stretch=args.decode_pace_stretch,
                           decode_ttft_target_s=args.decode_ttft_target,
                           decode_local_prefill_nice=args.decode_local_prefill_nice,
                           decode_hold_first_token=args.decode_hold_first_token,

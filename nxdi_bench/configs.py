@@ -54,6 +54,7 @@ class ServeSettings:
     decode_ttft_target_s: float | None = None  # ours: decode workers' --ttft-target-ms
     decode_local_prefill_nice: int | str | None = None  # ours: decode workers' --local-prefill-nice
     decode_hold_first_token: bool = False  # ours: decode workers' --hold-first-token
+    decode_pace_stretch: float | None = None  # ours: decode workers' --pace-stretch
     prefill_order: str | None = None  # disaggregated: the prefill worker's --order
     prefill_max_overtaken_s: float | None = None  # ... and its --max-overtaken-seconds
     startup_timeout_s: float = 900.0
@@ -78,6 +79,8 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
         decode_args += ["--local-prefill-nice", str(s.decode_local_prefill_nice)]
     if s.decode_hold_first_token:
         decode_args += ["--hold-first-token"]
+    if s.decode_pace_stretch is not None:
+        decode_args += ["--pace-stretch", f"{s.decode_pace_stretch:g}"]
     common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
                   compiled_root=s.compiled_root, quantize=s.quantize, decode_args=decode_args,
                   context_buckets=s.context_buckets,

@@ -171,6 +171,9 @@ def test_a_ttft_target_stretches_the_paced_gap_as_far_as_the_local_prompts_need(
         assert engine._paced_gap_s() == 0.020
         order.append(waiting("b", 20, 1.0))  # 60/s: 10 ms / (1 - 0.6)
         assert engine._paced_gap_s() == pytest.approx(0.025, rel=0.02)
+        engine.config = dataclasses.replace(engine.config, pace_stretch=1.0)
+        assert engine._paced_gap_s() == 0.020  # no stretch: b's need does not move the gap
+        engine.config = dataclasses.replace(engine.config, pace_stretch=1.5)
         order.append(waiting("c", 10, 1.0))  # 70/s: more than 30 ms gaps give (66.7/s)
         assert engine._paced_gap_s() == pytest.approx(0.025, rel=0.02)  # c does not stretch it
         order.append(waiting("d", 130, 2.0))  # a-d: 200 in 2 s, 100/s: hopeless as well
@@ -179,6 +182,10 @@ def test_a_ttft_target_stretches_the_paced_gap_as_far_as_the_local_prompts_need(
         assert engine._paced_gap_s() == 0.020
         order[0].arrival_ns = now - int(5e9)  # a is past the target: late, the longest gap
         assert engine._paced_gap_s() == pytest.approx(0.030)
+        for stretch, longest in ((1.0, 0.020), (1.25, 0.025)):  # --pace-stretch bounds it
+            engine.config = dataclasses.replace(engine.config, pace_stretch=stretch)
+            assert engine._paced_gap_s() == pytest.approx(longest)
+        engine.config = dataclasses.replace(engine.config, pace_stretch=1.5)
         engine.step_s = 0.025  # steps longer than the ITL target: the longest is 1.5 steps
         assert engine._paced_gap_s() == pytest.approx(0.0375)
         order[:] = [waiting("f", 20, 1.0)]  # on time, 20/s: the gap of a step leaves nothing

@@ -338,6 +338,10 @@ def test_piece_sizes_default_with_the_itl_target_and_bad_ones_are_refused(tiny_c
         EngineConfig(itl_target_s=0)
     with pytest.raises(SystemExit, match="--ttft-target-ms must be > 0 milliseconds"):
         build(tiny_chat_model, "--ttft-target-ms", "-5")
+    with pytest.raises(SystemExit, match="--pace-stretch must be from 1 to 10 .* got 0.5"):
+        build(tiny_chat_model, "--pace-stretch", "0.5")
+    with pytest.raises(ValueError, match="pace_stretch must be a number from 1 to 10"):
+        EngineConfig(pace_stretch=0.9)
 
 
 def test_the_benchmark_passes_the_itl_target_to_our_decode_workers():
@@ -351,3 +355,8 @@ def test_the_benchmark_passes_the_itl_target_to_our_decode_workers():
         assert our_launch_spec(name, serve).decode_args[-4:] == [
             "--itl-target-ms", "30", "--ttft-target-ms", "4000"]
         assert "--itl-target-ms" not in our_launch_spec(name, ServeSettings()).decode_args
+    args = cli.build_parser().parse_args(["compare", "--decode-pace-stretch", "1.2"])
+    assert args.decode_pace_stretch == 1.2
+    assert our_launch_spec("disaggregated", ServeSettings(decode_pace_stretch=1.2)).decode_args[
+        -2:] == ["--pace-stretch", "1.2"]
+    assert "--pace-stretch" not in our_launch_spec("disaggregated", ServeSettings()).decode_args
