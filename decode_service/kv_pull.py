@@ -24,6 +24,7 @@ from decode_service.engine import DecodeEngine
 from decode_service.sequence import Sequence
 from nxdi_common import kv_transfer
 from nxdi_common.serving import kv_socket
+from nxdi_common.serving.kv_socket import check_nice as check_receive_nice
 from nxdi_common.serving.errors import FailedPrecondition, ServingError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -61,10 +62,12 @@ class KVPuller:
 
     def __init__(self, engine: DecodeEngine, channels: PrefillChannels, fingerprint,
                  max_chunk_bytes: int, metrics=None, timeout_seconds: float | None = None,
-                 kv_socket: bool = True):
+                 kv_socket: bool = True, receive_nice: int | None = None):
         self.engine, self.channels, self.fingerprint = engine, channels, fingerprint
         self.max_chunk_bytes, self.metrics, self.timeout = max_chunk_bytes, metrics, timeout_seconds
         self.kv_socket = kv_socket  # accept the prefill worker's KV socket offers
+        # the OS nice value the KV socket's receiving threads run at (--kv-receive-nice)
+        self.receive_nice = check_receive_nice(receive_nice)
         self._no_socket_until: dict[str, float] = {}  # address -> monotonic time
         self.open_transfers = 0
 
@@ -161,7 +164,7 @@ class KVPuller:
         try:
             _, payload = await kv_socket.receive(
                 host, port, token, on_frame, kv_transfer.max_message_bytes(self.max_chunk_bytes),
-                SOCKET_CONNECT_TIMEOUT_SECONDS)
+                SOCKET_CONNECT_TIMEOUT_SECONDS, nice=self.receive_nice)
         except ConnectionRefusedError as exc:
             self._no_socket_until[address] = time.monotonic() + SOCKET_RETRY_AFTER_SECONDS
             log.warning("%s; the chunks of %s will come on the stream, and %s is not asked for "

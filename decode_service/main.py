@@ -26,6 +26,10 @@ SMALLEST_DEFAULT_PIECE = 16  # --itl-target-ms's default piece sizes: 16, 32, ..
 # Without a target: one smaller size, so a short piece (a cached prefix's remainder, a long
 # prompt's last piece) is not padded to the whole chunk (BENCHMARKS.md, serving, session 36)
 SHORT_PIECE = 64
+# A long prompt's KV (30 MB, 1700 tokens of SmolLM2 in bf16) takes ~11 ms of the decode core's
+# CPU to receive, check and write; at nice 5 a decode step beside it went 12.5 -> 17.6 ms at the
+# median (BENCHMARKS.md, issue 4, session 61), where at nice 0 the core is split evenly.
+DEFAULT_KV_RECEIVE_NICE = 5
 
 
 def default_piece_sizes(chunk: int) -> tuple[int, ...]:
@@ -75,6 +79,12 @@ def parse_args(argv=None):
                    help="take prompt KV over the prefill worker's direct TCP connection when it "
                         "offers one (the gRPC stream stays the control path); off: on the "
                         "stream only")
+    p.add_argument("--kv-receive-nice", type=int, default=DEFAULT_KV_RECEIVE_NICE, metavar="N",
+                   help="OS nice value (0-19) of the threads that receive prompt KV over the KV "
+                   "socket and write it into the cache: on the decode worker's core the kernel "
+                   "shares the core between them and the decode steps by weight (nice 5: the "
+                   "steps keep ~3/4 of it while a long prompt's KV arrives, nice 0: half) "
+                   f"(default {DEFAULT_KV_RECEIVE_NICE})")
     p.add_argument("--kv-pull-timeout-seconds", type=float, default=600.0)
     args = p.parse_args(argv)
     if args.local_prefill_uncached_tokens < 0:
@@ -136,6 +146,9 @@ def build(args):
                         ("--ttft-target-ms", args.ttft_target_ms)):
         if value is not None and not value > 0:
             raise SystemExit(f"{flag} must be > 0 milliseconds, got {value}")
+    if not 0 <= args.kv_receive_nice <= 19:
+        raise SystemExit(f"--kv-receive-nice must be an integer from 0 to 19, got "
+                         f"{args.kv_receive_nice}")
     if not 1 <= args.pace_stretch <= 10:
         raise SystemExit(f"--pace-stretch must be from 1 to 10 (1: the paced gap never passes "
                          f"--itl-target-ms), got {args.pace_stretch:g}")
@@ -166,7 +179,8 @@ def build(args):
                           metrics, runner=compute)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))
     puller = KVPuller(engine, channels, fingerprint, args.max_chunk_bytes, metrics,
-                      args.kv_pull_timeout_seconds, kv_socket=args.kv_socket == "on")
+                      args.kv_pull_timeout_seconds, kv_socket=args.kv_socket == "on",
+                      receive_nice=args.kv_receive_nice)
     limits = ModelLimits(opts.max_model_len, model.config.vocab_size)
     servicer = DecodeServicer(engine, puller, limits, fingerprint,
                               args.local_prefill_max_tokens, metrics,

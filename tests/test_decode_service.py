@@ -7,6 +7,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -435,22 +436,34 @@ def _metric(service, name) -> float:
     return metric_value(service.info["metrics"], name)
 
 
+def _thread_nice_values(pid: int) -> list[int]:
+    """The OS nice value of each thread of process ``pid`` (/proc/PID/task/TID/stat, field 19)."""
+    values = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(OSError):  # a thread may end meanwhile
+            values.append(int(stat.read_text().rsplit(")", 1)[1].split()[16]))
+    return values
+
+
 @pytest.mark.parametrize("socket_on", [True, False])
 def test_kv_over_the_socket_or_the_stream_gives_transformers_tokens(
         spawn_module, tiny_chat_model, prefill_worker, reference, socket_on):
     """A real prefill worker: the decode worker takes the prompt's KV (many chunks) over the KV
     socket by default, or on the stream with --kv-socket off; the tokens are transformers' either
-    way and the prefill worker counts which path carried it."""
+    way and the prefill worker counts which path carried it. The socket's receiving thread runs
+    at --kv-receive-nice (7 here; threads of that nice exist only once a transfer ran)."""
     decode = spawn_module("decode_service", "--model", tiny_chat_model, "--dtype", "float32",
                           "--backend", "eager", "--threads", "1", "--max-model-len", MAX_LEN,
                           "--kv-blocks", 24, "--block-size", 16, "--max-batch-size", 4,
-                          "--kv-socket", "on" if socket_on else "off")
+                          "--kv-socket", "on" if socket_on else "off", "--kv-receive-nice", 7)
+    assert 7 not in _thread_nice_values(decode.proc.pid)
     before = _metric(prefill_worker, "nxdi_kv_socket_transfers_total")
     ids = PROMPTS[2]
     req = request("sock" if socket_on else "stream", ids, 8)
     req.prefill_candidates.append(prefill_worker.grpc)
     assert [e.token_id for e in run(collect(decode.grpc, req))] == greedy(reference, ids, 8)
     assert _metric(prefill_worker, "nxdi_kv_socket_transfers_total") - before == int(socket_on)
+    assert (7 in _thread_nice_values(decode.proc.pid)) == socket_on
     assert _metric(prefill_worker, "nxdi_kv_socket_fallbacks_total") == 0
     wait_for_idle(decode.grpc)
 

@@ -3,6 +3,7 @@ connection only to the offer whose token it shows; frames carry exactly the chun
 stream; the receiver refuses oversize and cut frames; cancelling either end stops its thread
 before returning."""
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -60,6 +61,41 @@ def test_offered_chunks_arrive_whole_and_in_order(max_chunk_bytes):
         w = kv_transfer.decode_chunk(chunk, res)
         out_k[w.layers, w.tokens], out_v[w.layers, w.tokens] = w.k, w.v
     assert torch.equal(out_k, k) and torch.equal(out_v, v)
+
+
+def test_the_receiving_thread_runs_at_the_nice_value_asked_for():
+    """receive(nice=N) reads and hands over every frame on a thread of OS nice N (a decode
+    worker's --kv-receive-nice), and the default pool's threads keep the process's own; a nice
+    outside 0-19 is refused before anything connects."""
+    k, v = kv()
+
+    def nice_here() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def one(nice):
+        server = kv_socket.KVSocketServer(accept_timeout=5)
+        port = await server.start("127.0.0.1", 0)
+        offer = server.offer()
+        seen = []
+
+        def on_frame(frame):
+            seen.append(nice_here())
+            return keep_into([])(frame)
+        receiving = asyncio.ensure_future(kv_socket.receive(
+            "127.0.0.1", port, offer.token, on_frame, 1 << 21, nice=nice))
+        conn = await server.claimed(offer)
+        await kv_socket.send(conn, kv_transfer.encode_chunks("r", k, v, max_chunk_bytes=256))
+        await receiving
+        await server.stop()
+        return seen
+
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert set(asyncio.run(one(11))) == {max(own, 11)}
+    assert set(asyncio.run(one(None))) == {own}
+    for bad in (-1, 20, 2.5, True):
+        with pytest.raises(ValueError, match=r"KV receive nice must be an integer in \[0, 19\]"):
+            asyncio.run(kv_socket.receive("127.0.0.1", 1, bytes(16), keep_into([]), 1 << 20,
+                                          nice=bad))
 
 
 def test_ipv6_loopback():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import socket
 import struct
@@ -50,18 +51,41 @@ HANDSHAKE_TIMEOUT_SECONDS = 5.0  # an accepted connection must present its token
 SOCKET_BUFFER_BYTES = 4 << 20
 IO_TIMEOUT_SECONDS = 60.0  # a peer that stops reading or sending for this long is dropped
 # Threads that move KV bytes, apart from asyncio's default executor so that many open transfers
-# (each waits on its socket most of the time) never hold up other work sent to threads.
+# (each waits on its socket most of the time) never hold up other work sent to threads; one
+# pool per OS nice value the transfers run at (receive's ``nice``).
 MAX_TRANSFER_THREADS = 32
-_executor: ThreadPoolExecutor | None = None
+NICE_RANGE = (0, 19)
+_executors: dict[int | None, ThreadPoolExecutor] = {}
 _executor_lock = threading.Lock()
 
 
-def _transfer_executor() -> ThreadPoolExecutor:
-    global _executor
+def check_nice(nice: int | None) -> int | None:
+    """ValueError naming the setting unless ``nice`` is None or an OS nice value in NICE_RANGE."""
+    low, high = NICE_RANGE
+    if nice is not None and (isinstance(nice, bool) or not isinstance(nice, int)
+                             or not low <= nice <= high):
+        raise ValueError(f"KV receive nice must be an integer in [{low}, {high}] (or unset: "
+                         f"the process's own), got {nice!r}")
+    return nice
+
+
+def _set_thread_nice(nice: int) -> None:
+    """The calling thread's nice value (Linux: per thread); a warning where the OS refuses."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError) as exc:
+        log.warning("KV socket threads keep their nice value: setting %d failed: %s", nice, exc)
+
+
+def _transfer_executor(nice: int | None = None) -> ThreadPoolExecutor:
     with _executor_lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(MAX_TRANSFER_THREADS, thread_name_prefix="kv-socket")
-        return _executor
+        if nice not in _executors:
+            _executors[nice] = ThreadPoolExecutor(
+                MAX_TRANSFER_THREADS,
+                thread_name_prefix="kv-socket" if nice is None else f"kv-socket-nice{nice}",
+                initializer=None if nice is None else _set_thread_nice,
+                initargs=() if nice is None else (nice,))
+        return _executors[nice]
 
 
 class KVSocketClosed(ConnectionError):
@@ -316,15 +340,18 @@ def _receive_blocking(host: str, port: int, token: bytes, on_frame: Callable[[me
 
 
 async def receive(host: str, port: int, token: bytes, on_frame: Callable[[memoryview], int],
-                  max_frame_bytes: int, connect_timeout: float = 5.0) -> tuple[int, int]:
+                  max_frame_bytes: int, connect_timeout: float = 5.0,
+                  nice: int | None = None) -> tuple[int, int]:
     """Connect, claim ``token``, and pass each frame (a serialized PrefillEvent, a view valid only
-    during the call) to ``on_frame``, which returns its payload bytes; on a worker thread.
-    Returns (frames, payload bytes) once the sender closed the connection. ConnectionRefusedError
-    when the connection cannot be made (nothing was received); KVSocketClosed or OSError when it
-    broke; whatever ``on_frame`` raises. Cancelling returns only after the thread stopped."""
+    during the call) to ``on_frame``, which returns its payload bytes; on a worker thread, at OS
+    nice ``nice`` if given (a decode worker's --kv-receive-nice). Returns (frames, payload bytes)
+    once the sender closed the connection. ConnectionRefusedError when the connection cannot be
+    made (nothing was received); KVSocketClosed or OSError when it broke; whatever ``on_frame``
+    raises. Cancelling returns only after the thread stopped."""
     state = _Stoppable()
     return await _on_thread(state, _receive_blocking, host, port, token, on_frame,
-                            max_frame_bytes, connect_timeout, state)
+                            max_frame_bytes, connect_timeout, state,
+                            executor=_transfer_executor(check_nice(nice)))
 
 
 async def send(conn: socket.socket, chunks: Iterable[kv_transfer.KVChunkData],
@@ -339,10 +366,10 @@ async def send(conn: socket.socket, chunks: Iterable[kv_transfer.KVChunkData],
         conn.close()
 
 
-async def _on_thread(state: _Stoppable, fn, *args):
-    """fn(*args) on a transfer thread; on cancellation stop ``state`` (its socket shut down) and
-    wait for the thread to return before re-raising."""
-    work = asyncio.get_running_loop().run_in_executor(_transfer_executor(), fn, *args)
+async def _on_thread(state: _Stoppable, fn, *args, executor: ThreadPoolExecutor | None = None):
+    """fn(*args) on a transfer thread (of ``executor``, else the default pool); on cancellation
+    stop ``state`` (its socket shut down) and wait for the thread to return before re-raising."""
+    work = asyncio.get_running_loop().run_in_executor(executor or _transfer_executor(), fn, *args)
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
