@@ -227,6 +227,7 @@ async def serve(args) -> None:
         await server.stop(5.0)
 
     grpc_server.install_shutdown(asyncio.get_running_loop(), stop)
+    grpc_server.freeze_startup_heap("decode")
     grpc_server.print_ready("decode", grpc=servicer.address,
                             metrics=f"{args.host}:{metrics_port}")
     await server.wait_for_termination()

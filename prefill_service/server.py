@@ -22,7 +22,8 @@ from nxdi_common.serving import worker
 from nxdi_common.serving.compute import ComputeThread
 from nxdi_common.serving.convert import cache_report_for
 from nxdi_common.serving.errors import FailedPrecondition, InvalidRequest, Overloaded
-from nxdi_common.serving.grpc_server import GrpcServer, install_shutdown, print_ready
+from nxdi_common.serving.grpc_server import (GrpcServer, freeze_startup_heap, install_shutdown,
+                                              print_ready)
 from nxdi_common.serving.metrics import ServingMetrics
 from nxdi_common.serving.structured import compile_constraint
 from nxdi_common.serving.types import ModelLimits, PrefillJob, check_prompt, check_sampling
@@ -468,6 +469,7 @@ async def serve(args: argparse.Namespace) -> None:
     extra = {}
     if app.servicer.kv_socket is not None:
         extra["kv_socket"] = host_port(args.host, app.servicer.kv_socket.port)
+    freeze_startup_heap("prefill")
     print_ready("prefill", grpc=host_port(args.host, port),
                 metrics=host_port(args.host, metrics_port), **extra)
     await stopped.wait()

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from nxdi_common.serving.grpc_server import GrpcServer, install_shutdown, print_ready
+from nxdi_common.serving.grpc_server import (GrpcServer, freeze_startup_heap, install_shutdown,
+                                              print_ready)
 from nxdi_common.serving.metrics import ServingMetrics
 from nxdi_common.serving.worker import add_model_args, model_options_from_args
 from router import convert
@@ -309,6 +310,7 @@ async def serve(args) -> None:
         frontend.tool_call_format = args.tool_call_parser
     router = await RunningRouter.start(frontend, settings)
     stopped = install_shutdown(asyncio.get_running_loop(), router.stop)
+    freeze_startup_heap("router")
     print_ready("router", grpc=router.grpc_address, http=router.http_address)
     waiters = [asyncio.ensure_future(stopped.wait()),
                asyncio.ensure_future(router.wait_http_stopped())]

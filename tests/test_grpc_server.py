@@ -362,3 +362,21 @@ def test_install_shutdown_runs_stop_once():
     asyncio.run(scenario())
     assert calls == ["stop"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_freeze_startup_heap_takes_every_live_object_out_of_the_collectors_passes():
+    """What is alive when a service has loaded is frozen (gc.freeze): no longer among the objects
+    a collection walks; what is allocated afterwards still is."""
+    import gc
+
+    from nxdi_common.serving.grpc_server import freeze_startup_heap
+    loaded = [[i] for i in range(2000)]
+    try:
+        frozen = freeze_startup_heap("test")
+        assert frozen == gc.get_freeze_count() >= len(loaded)
+        later = [[i] for i in range(10)]
+        walked = {id(o) for o in gc.get_objects()}
+        assert not any(id(x) in walked for x in loaded)
+        assert all(id(x) in walked for x in later)
+    finally:
+        gc.unfreeze()

@@ -3,6 +3,7 @@ by the launcher, the bundled SmolLM2 in fp32 for truth against transformers, the
 load. No mocks: every request crosses the HTTP gateway or the gRPC Router, the decode worker pulls
 KV from a prefill worker (Prefill stream for control, the KV socket it offers for the bytes)."""
 import asyncio
+import re
 import time
 
 import grpc
@@ -57,6 +58,17 @@ def fp32_cluster(bundled_model_path):
                       decode_workers=2, threads=1, decode_args=["--kv-blocks", "1100"])
     with Cluster(spec) as cluster:
         yield cluster
+
+
+def test_every_service_freezes_its_startup_heap_before_it_serves(fp32_cluster):
+    """Each service, loaded, takes its startup objects out of the garbage collector's passes
+    (grpc_server.freeze_startup_heap) and says how many before its ready line; the first test on
+    the cluster, while every ready line is still in the output tails."""
+    for child in [*fp32_cluster.workers, fp32_cluster.router]:
+        lines = child.tail.lines()
+        ready = next(i for i, line in enumerate(lines) if line.startswith("NXDI_READY"))
+        assert any(re.search(rf"{child.role}: [0-9]{{4,}} startup objects frozen", line)
+                   for line in lines[:ready]), (child.role, lines[:ready][-10:])
 
 
 def test_grpc_router_greedy_matches_transformers_2p2d_16_concurrent(fp32_cluster, tokenizer,
