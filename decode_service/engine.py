@@ -58,6 +58,9 @@ and to that longest gap while a local prompt is late (_paced_gap_s). At 0.875 re
 `mixed` (BENCHMARKS.md, session 44) an 18 ms target alone made three short local prompts miss
 a 4 s TTFT that 22 ms met; stretched for a 3.5 s target they met it, at a p99 gap of 22.6 ms
 against 24.1-25.1 at 22 ms (at goodput in sweeps: 23.4-24.8 against 25.1, for a higher TTFT).
+In session 61's single-rate runs at 0.875 req/s the stretched gaps were the p99 (27.1 ms against
+22.0-23.2 held to the target, at equal attainment), yet a sweep held to the target lost 0.875
+req/s (0.886) where one with the stretch kept it (0.932): --pace-stretch is there to choose.
 
 With a held first token (``EngineConfig.hold_first_token``, the worker's --hold-first-token) a
 prompt's first token is sent when its sequence joins the running batch, right before the step
