@@ -138,9 +138,9 @@ def _add_local_prefill_args(p) -> None:
                    "--prefill-chunk-tokens, else 64 and --prefill-chunk-tokens")
 
 
-def build(args):
-    """(servicer, engine, channels, metrics) for the parsed arguments."""
-    opts = worker.model_options_from_args(args)
+def _check_args(args) -> None:
+    """SystemExit naming the flag for a value the worker cannot run with; parses
+    --local-prefill-nice in place."""
     for flag, value in (("--tpot-target-ms", args.tpot_target_ms),
                         ("--itl-target-ms", args.itl_target_ms),
                         ("--ttft-target-ms", args.ttft_target_ms)):
@@ -159,6 +159,12 @@ def build(args):
         args.local_prefill_nice = parse_nice(args.local_prefill_nice)
     except ValueError as exc:
         raise SystemExit(f"--local-prefill-nice: {exc}") from None
+
+
+def build(args):
+    """(servicer, engine, channels, metrics) for the parsed arguments."""
+    _check_args(args)
+    opts = worker.model_options_from_args(args)
     nc = worker.decode_neuron_config(opts, args.max_batch_size, args.kv_blocks, args.block_size,
                                      args.prefill_chunk_tokens, _piece_sizes(args))
     # the model loads, and the engine loop runs, on one thread (nxdi_common/serving/compute.py)

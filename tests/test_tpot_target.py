@@ -340,6 +340,9 @@ def test_piece_sizes_default_with_the_itl_target_and_bad_ones_are_refused(tiny_c
         build(tiny_chat_model, "--ttft-target-ms", "-5")
     with pytest.raises(SystemExit, match="--pace-stretch must be from 1 to 10 .* got 0.5"):
         build(tiny_chat_model, "--pace-stretch", "0.5")
+    with pytest.raises(SystemExit, match="--kv-receive-nice must be an integer from 0 to 19, "
+                                         "got 25"):
+        build(tiny_chat_model, "--kv-receive-nice", "25")
     with pytest.raises(ValueError, match="pace_stretch must be a number from 1 to 10"):
         EngineConfig(pace_stretch=0.9)
 
