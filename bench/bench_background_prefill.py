@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_tkg_step as tkg  # noqa: E402
-from decode_service.background_prefill import StepPacer, parse_nice, set_priority  # noqa: E402
+from decode_service.background_prefill import StepPacer, parse_nice  # noqa: E402
+from nxdi_common.serving.thread_priority import set_thread_priority  # noqa: E402
 from nxdi_common.serving.compute import use_torch_threads  # noqa: E402
 from nxdi_common.serving.worker import ModelOptions, decode_neuron_config, load_model  # noqa: E402
 
@@ -44,7 +45,7 @@ def piece_args(start: int) -> dict:
 def prefill_loop(model, nice: int | str | None, stop: threading.Event, pieces: list) -> None:
     use_torch_threads(1)
     if nice is not None:
-        set_priority(nice)
+        set_thread_priority(nice)
     k = 0
     with torch.no_grad():
         while not stop.is_set():

@@ -30,26 +30,21 @@ are never handed out while the piece still writes them. This thread runs torch o
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
 
+from nxdi_common.serving import thread_priority
 from nxdi_common.serving.rates import PrefillRate
+from nxdi_common.serving.thread_priority import IDLE, set_thread_priority
 
 log = logging.getLogger(__name__)
-NICE_RANGE = (0, 19)  # an unprivileged process may only lower its threads' priority
-IDLE = "idle"  # SCHED_IDLE: the thread runs only while nothing else of ours wants the core
 
 
 def check_nice(nice: int | str | None) -> int | str | None:
     """ValueError naming the setting unless ``nice`` is None, in NICE_RANGE or "idle"."""
-    low, high = NICE_RANGE
-    if nice is not None and nice != IDLE and (isinstance(nice, bool) or not isinstance(nice, int)
-                                              or not low <= nice <= high):
-        raise ValueError(f"local_prefill_nice must be an integer in [{low}, {high}] or "
-                         f"{IDLE!r} (or unset: pieces between the decode steps), got {nice!r}")
-    return nice
+    return thread_priority.check_nice(nice, "local_prefill_nice", "pieces between the decode steps",
+                                      allow_idle=True)
 
 
 def parse_nice(text: str | None) -> int | str | None:
@@ -62,18 +57,6 @@ def parse_nice(text: str | None) -> int | str | None:
     except ValueError:
         value = text  # refused by check_nice, with the setting's message
     return check_nice(value)
-
-
-def set_priority(nice: int | str) -> None:
-    """Gives the calling thread nice ``nice`` or, for "idle", Linux's SCHED_IDLE policy (a
-    weight of 3 against a nice-0 thread's 1024: with the compute thread runnable, this thread
-    gets well under 1% of the core, so a decode step runs as if alone; between paced steps the
-    core is all this thread's). OSError or AttributeError where the OS has neither."""
-    tid = threading.get_native_id()
-    if nice == IDLE:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-    else:
-        os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 class StepPacer:
@@ -179,7 +162,7 @@ class BackgroundPrefill:
         from nxdi_common.serving.compute import use_torch_threads  # torch: this module is not
         use_torch_threads(1)  # (nxdi-bench validates --decode-local-prefill-nice with it)
         try:
-            set_priority(self.nice)
+            set_thread_priority(self.nice)
         except (AttributeError, OSError) as exc:  # not Linux-like: it runs at the same priority
             log.warning("local prefill thread: cannot set nice %s (%s)", self.nice, exc)
         while (seq := self._take()) is not None:

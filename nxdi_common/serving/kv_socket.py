@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import socket
 import struct
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 
 from nxdi_common import kv_transfer
 from nxdi_common.kv_transfer import KVChunkError
+from nxdi_common.serving import thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -54,25 +54,19 @@ IO_TIMEOUT_SECONDS = 60.0  # a peer that stops reading or sending for this long 
 # (each waits on its socket most of the time) never hold up other work sent to threads; one
 # pool per OS nice value the transfers run at (receive's ``nice``).
 MAX_TRANSFER_THREADS = 32
-NICE_RANGE = (0, 19)
 _executors: dict[int | None, ThreadPoolExecutor] = {}
 _executor_lock = threading.Lock()
 
 
 def check_nice(nice: int | None) -> int | None:
     """ValueError naming the setting unless ``nice`` is None or an OS nice value in NICE_RANGE."""
-    low, high = NICE_RANGE
-    if nice is not None and (isinstance(nice, bool) or not isinstance(nice, int)
-                             or not low <= nice <= high):
-        raise ValueError(f"KV receive nice must be an integer in [{low}, {high}] (or unset: "
-                         f"the process's own), got {nice!r}")
-    return nice
+    return thread_priority.check_nice(nice, "KV receive nice", "the process's own")
 
 
 def _set_thread_nice(nice: int) -> None:
     """The calling thread's nice value (Linux: per thread); a warning where the OS refuses."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        thread_priority.set_thread_priority(nice)
     except (OSError, AttributeError) as exc:
         log.warning("KV socket threads keep their nice value: setting %d failed: %s", nice, exc)
 
