@@ -120,16 +120,17 @@ def test_reads_only_each_rows_own_positions(op, dtype, dim, block_size, queries)
     assert (out.float() - ref.float()).abs().max() <= (2e-6 if dtype == torch.float32 else 2e-2)
 
 
-def _bf16_run(env_value: str, cases_file) -> list:
+def _bf16_run(env_value: str, cases_file, name: str = "NXDI_ATTENTION_BF16_DOT",
+              threads: int = 1) -> list:
     """The kernel's outputs for the cases (its arguments, scale last) saved in cases_file, in a
-    process whose NXDI_ATTENTION_BF16_DOT is env_value ("": the default; the library reads it
-    once)."""
+    process whose environment variable `name` is env_value ("": the default; the library reads
+    it once), on `threads` torch threads."""
     code = ("import io, sys, torch; from nxdi_common import kernels; "
-            "op = kernels.paged_attention(); "
+            f"torch.set_num_threads({threads}); op = kernels.paged_attention(); "
             f"cases = torch.load({str(cases_file)!r}, weights_only=True); "
             "buf = io.BytesIO(); torch.save([op(*c) for c in cases], buf); "
             "sys.stdout.buffer.write(buf.getvalue())")
-    env = {**os.environ, "NXDI_ATTENTION_BF16_DOT": env_value}
+    env = {**os.environ, name: env_value}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, env=env)
     return torch.load(io.BytesIO(out.stdout), weights_only=True)
 
@@ -159,6 +160,34 @@ def test_bf16_runs_on_dot_products_or_float32_fmas_as_the_cpu_suits(tmp_path):
             assert err <= 2e-2, (value, dim, err)
     expected_default = "1" if dot_products and not kernels.cpu_is_intel() else "0"
     assert all(torch.equal(a, b) for a, b in zip(runs[""], runs[expected_default]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_how_far_ahead_it_prefetches_changes_no_output(tmp_path, threads):
+    """NXDI_ATTENTION_PREFETCH_AHEAD (1-4; default 2, 1 on Intel) moves only prefetches: every
+    value gives the same bits, on rows of one block to many, a task's rows one after another (one
+    thread: each prefetches into the next row's blocks, -1 in the table past a row's last) or
+    cut into segments (two threads, one row), and caches that are NaN past each row's position."""
+    cases = []
+    for dtype, kv_dtype in ((torch.bfloat16, None), (torch.bfloat16, torch.float8_e4m3fn),
+                            (torch.float32, None)):
+        for positions in ((0, 15, 16, 47, 160, 3), (161,)):
+            q, k, v, table, pos = case(11, dtype, kv_dtype, heads=9, kv_heads=3, dim=64,
+                                       block_size=16, width=12, num_blocks=80,
+                                       positions=positions)
+            k, v = poisoned(k, v, table, pos)
+            used = torch.arange(table.shape[1]) <= pos[:, -1:] // 16
+            cases.append((q, k, v, torch.where(used, table, -1), pos, 0.125))
+    torch.save(cases, tmp_path / "cases.pt")
+    runs = {value: _bf16_run(value, tmp_path / "cases.pt", "NXDI_ATTENTION_PREFETCH_AHEAD",
+                             threads) for value in ("", "1", "2", "4")}
+    for q, k, v, table, pos, scale in cases[:1]:
+        ref = reference(q.float(), k.nan_to_num().float(), v.nan_to_num().float(),
+                        table.clamp(min=0), pos, scale)
+        assert (runs[""][0].float() - ref).abs().max() <= 2e-2
+    for value, outs in runs.items():
+        assert all(torch.isfinite(o).all() for o in outs), value
+        assert all(torch.equal(a, b) for a, b in zip(outs, runs["1"])), value
 
 
 def test_the_built_kernels_keep_their_prefetches():

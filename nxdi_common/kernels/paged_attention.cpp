@@ -456,6 +456,26 @@ void accumulate_in_place(const Ops& ops, const kv_t* rows, int64_t stride, int64
   }
 }
 
+// How many blocks ahead of the one it reads attend_heads prefetches (that block's rows a chunk at
+// a time between the tiles' steps): NXDI_ATTENTION_PREFETCH_AHEAD=1-4 where set (read once),
+// else 2, or 1 on Intel, where the chunked prefetch was tuned at 1 (sessions 45-50) and 2 has not
+// been measured. AMD Zen 4 (session 62), 2 against 1 in alternating processes: a decode step of
+// the bundled model on one thread (bench/bench_tkg_step.py, contiguous blocks, 3 rounds) 4 rows
+// x 2048 positions 0.90-0.93x the time, 2 x 256 + 2 x 2048 0.78-0.92x, lower in every round;
+// two threads, 16 x 576, 0.97-1.03x. The op alone (bench/bench_paged_op.py, blocks in a random
+// order, 5 rounds): one thread 4 x 2048 lower in 4 rounds of 5, 8 x 576 in 3; two threads
+// 16 x 576 in 4 (median 8.2 against 8.6 ms). A scratch sweep of 1-4 (4 rounds): 3 and 4 ahead
+// slower than 2 on one thread's 4 x 2048 in every round.
+int64_t prefetch_blocks_ahead() {
+  static const int64_t ahead = [] {
+    const char* env = std::getenv("NXDI_ATTENTION_PREFETCH_AHEAD");
+    if (env != nullptr && *env != '\0') return std::clamp<int64_t>(std::atoll(env), 1, 4);
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") ? int64_t{1} : int64_t{2};
+  }();
+  return ahead;
+}
+
 // Part `seg` of `segments` of a row's positions (whole blocks, front to back) attended by one
 // task, when a step has fewer rows than threads (run): per query, the largest score, the sum of
 // exp(score - that) and the values weighted by those exps; merged by merge_segments.
@@ -502,7 +522,7 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
   // the cache may hold anything).
   constexpr int64_t kTile = 16;
   // visit(first, count, base, next): the block of positions first.., its count positions at
-  // base, and the next block's base (after the last: see `after`) to prefetch from.
+  // base, and the base of the block to prefetch meanwhile (stream_at; null: none).
   auto for_each_block = [&](const kv_t* cache, auto&& visit) {
     auto at = [&](int64_t i) {
       const int64_t block = table[b * s.table_width + i];
@@ -510,20 +530,29 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
                   "lie in the cache's 0..", s.num_blocks - 1, ", got ", block);
       return cache + block * s.block_size * token_stride;
     };
-    // After the last block: the K pass prefetches the V pass's first block, and the V pass the
-    // next row's first K block where this task goes on to that row (its block id checked there).
-    // Until session 33 both started unprefetched; AMD Zen 4, two threads, 30 layers' caches from
-    // memory, the targets alternating in one process (16 rounds): 16 rows x 576 positions 0.968x
-    // the time (lower in 15 rounds), 8 x 1792 0.987x, 4 x 256 0.994x.
-    const kv_t* after = nullptr;
-    if (cache == kc && p0 < p1) after = vc + (at(p0 / s.block_size) - kc);
-    if (cache == vc && part.then_next_row) {
-      const int64_t block = table[(b + 1) * s.table_width];
-      if (block >= 0 && block < s.num_blocks) after = kc + block * s.block_size * token_stride;
-    }
-    for (int64_t first = p0, i = p0 / s.block_size; first < p1; first += s.block_size, ++i) {
-      visit(first, std::min(s.block_size, p1 - first), at(i),
-            first + s.block_size < p1 ? at(i + 1) : after);
+    // Each block's visit prefetches the block `ahead` places on in this task's stream of blocks:
+    // the row's K blocks (of its segment), then its V blocks, then (part.then_next_row) the next
+    // row's K blocks. So the K pass's last blocks prefetch the V pass's first, and the V pass's
+    // the next row's first (its block ids checked there; past its table, nothing). Until session
+    // 33 each pass started unprefetched; AMD Zen 4, two threads, 30 layers' caches from memory,
+    // the targets alternating in one process (16 rounds): 16 rows x 576 positions 0.968x the
+    // time (lower in 15 rounds), 8 x 1792 0.987x, 4 x 256 0.994x. How far ahead:
+    // prefetch_blocks_ahead.
+    const int64_t first_block = p0 / s.block_size;
+    const int64_t blocks = p0 < p1 ? (p1 - 1) / s.block_size + 1 - first_block : 0;
+    auto stream_at = [&](int64_t j) -> const kv_t* {  // this pass's block first_block + j, or on
+      if (j < blocks) return at(first_block + j);
+      j -= blocks;
+      if (cache == kc) return j < blocks ? vc + (at(first_block + j) - kc) : nullptr;
+      if (!part.then_next_row || j >= s.table_width) return nullptr;
+      const int64_t block = table[(b + 1) * s.table_width + j];
+      return block >= 0 && block < s.num_blocks ? kc + block * s.block_size * token_stride
+                                                : nullptr;
+    };
+    const int64_t ahead = prefetch_blocks_ahead();
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t first = p0 + j * s.block_size;
+      visit(first, std::min(s.block_size, p1 - first), at(first_block + j), stream_at(j + ahead));
     }
   };
   // Head hk's rows t0..t0+m of the next block, into L2 ahead of their use. prefetcht1, not t0:
