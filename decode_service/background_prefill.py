@@ -34,17 +34,17 @@ import threading
 import time
 from collections import deque
 
-from nxdi_common.serving import thread_priority
 from nxdi_common.serving.rates import PrefillRate
-from nxdi_common.serving.thread_priority import IDLE, set_thread_priority
+from nxdi_common.serving.thread_priority import IDLE, check_nice as check_thread_nice
+from nxdi_common.serving.thread_priority import set_thread_priority
 
 log = logging.getLogger(__name__)
 
 
 def check_nice(nice: int | str | None) -> int | str | None:
     """ValueError naming the setting unless ``nice`` is None, in NICE_RANGE or "idle"."""
-    return thread_priority.check_nice(nice, "local_prefill_nice", "pieces between the decode steps",
-                                      allow_idle=True)
+    return check_thread_nice(nice, "local_prefill_nice", "pieces between the decode steps",
+                             allow_idle=True)
 
 
 def parse_nice(text: str | None) -> int | str | None:

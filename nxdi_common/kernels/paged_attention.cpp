@@ -540,7 +540,8 @@ void attend_heads(const Ops& ops, const Shapes& s, const q_t* q, const kv_t* kc,
     // prefetch_blocks_ahead.
     const int64_t first_block = p0 / s.block_size;
     const int64_t blocks = p0 < p1 ? (p1 - 1) / s.block_size + 1 - first_block : 0;
-    auto stream_at = [&](int64_t j) -> const kv_t* {  // this pass's block first_block + j, or on
+    // The stream's j-th block: this pass's block first_block + j, then the blocks after it.
+    auto stream_at = [&](int64_t j) -> const kv_t* {
       if (j < blocks) return at(first_block + j);
       j -= blocks;
       if (cache == kc) return j < blocks ? vc + (at(first_block + j) - kc) : nullptr;
