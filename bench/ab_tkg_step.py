@@ -3,7 +3,7 @@ block KV cache, compiled), twice, the second time with one optimisation turned o
 two models' steps alternate (--steps each, the first 10 dropped) so that both see the same
 machine; prints the medians and the difference.
 
-    python bench/ab_tkg_step.py --without rope-store|attention-layer-op|norm-in-product|panel-prefetch
+    python bench/ab_tkg_step.py --without rope-store|attention-layer-op|norm-in-product|panel-prefetch|x-per-thread
                                 [--rows 1 8 16] [--length 256] [--steps 120]
 
 --without rope-store: keys rotated and stored apart (rope_qk, split, stack, index_copy_) instead
@@ -14,7 +14,9 @@ norm-in-product: every RMSNorm its own nxdi::rms_norm node before the product it
 (Linear.normed as self(norm(x))) instead of inside panel_linear. The second model compiles
 into its own folders (/tmp/nxdi-ab-*). --without panel-prefetch: one model, the panel products'
 software prefetch of their weights (torch.ops.nxdi.panel_prefetch) switched off and on before
-each step."""
+each step. --without x-per-thread: one model, a decode batch's products making x's pairs and
+norm on the calling thread before their parallel region (torch.ops.nxdi.panel_x_per_thread)
+instead of in each of its threads."""
 from __future__ import annotations
 
 import argparse
@@ -37,7 +39,8 @@ WITHOUT = {"rope-store": ("nxdi_common.modules.attention", "NeuronAttention", "_
            "norm-in-product": ("nxdi_common.modules.linear", "Linear", "normed",
                                lambda self, x, norm: self(norm(x)))}
 # Kernel settings switched at run time on one model: name -> set(on)
-SWITCHES = {"panel-prefetch": lambda on: torch.ops.nxdi.panel_prefetch(int(on))}
+SWITCHES = {"panel-prefetch": lambda on: torch.ops.nxdi.panel_prefetch(int(on)),
+            "x-per-thread": lambda on: torch.ops.nxdi.panel_x_per_thread(int(on))}
 
 
 def load(opts):

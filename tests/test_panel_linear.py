@@ -352,11 +352,12 @@ def test_int8_panels_times_their_scale_are_the_rounded_exact_product(ops, rows, 
                            dequantize(q, scale.bfloat16()), bias, residual)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("rows", [1, 5, 8, 40])
 @pytest.mark.parametrize("kind", ["bf16 pairs", "bf16", "float32", "int8"])
 def test_a_norm_inside_the_product_is_the_norm_then_the_product_bit_for_bit(ops, rows, kind):
     """panel_linear(x, ..., norm=w, eps) normalizes x's rows as nxdi::rms_norm does, then
-    multiplies: equal bits to the two ops, for every panel kind and bias; a norm weight of the
+    multiplies: equal bits to the two ops, for every panel kind and bias (2-16 rows: on the bf16
+    dot products each thread norms them for itself; 80: before the product); a norm weight of the
     wrong size is refused by rms_norm's message."""
     g = torch.Generator().manual_seed(rows)
     dtype = torch.float32 if kind == "float32" else torch.bfloat16
@@ -375,6 +376,35 @@ def test_a_norm_inside_the_product_is_the_norm_then_the_product_bit_for_bit(ops,
     assert not torch.equal(ops.panel_linear(x, panels, 40, bias, None, scale, norm_w, 1e-1), want)
     with pytest.raises(RuntimeError, match=r"rms_norm: weight must be \[n\] for x"):
         ops.panel_linear(x, panels, 40, bias, None, scale, norm_w[:-1], 1e-5)
+
+
+def test_products_of_other_shapes_in_turn_reuse_no_stale_rows(ops):
+    """A decode step's products in turn (rows and K changing, with and without a norm): each
+    thread's buffers for x's pairs and normed rows are kept between calls and only grow; every
+    product still equals its two-op reference, and the same bits come out with x's pairs made
+    on the calling thread instead (panel_x_per_thread off)."""
+    g = torch.Generator().manual_seed(7)
+    shapes = [(16, 96, 40), (3, 200, 24), (16, 96, 40), (1, 64, 32), (9, 31, 48), (32, 200, 16)]
+    assert ops.panel_x_per_thread(-1)
+    try:
+        for turn in range(2):
+            for rows, k, n in shapes:
+                w = torch.randn(n, k, generator=g).bfloat16()
+                x = (torch.randn(rows, k, generator=g) * 2).bfloat16()
+                norm_w = torch.randn(k, generator=g).bfloat16()
+                panels = pack_panels(w, pairs=turn == 0)
+                plain = ops.panel_linear(x, panels, n, None, None, None)
+                normed = ops.panel_linear(x, panels, n, None, None, None, norm_w, 1e-5)
+                assert_rounded_product(plain, x, w.float())
+                assert torch.equal(normed, ops.panel_linear(ops.rms_norm(x, norm_w, 1e-5), panels,
+                                                            n, None, None, None))
+                ops.panel_x_per_thread(0)
+                assert torch.equal(plain, ops.panel_linear(x, panels, n, None, None, None))
+                assert torch.equal(normed, ops.panel_linear(x, panels, n, None, None, None,
+                                                            norm_w, 1e-5))
+                ops.panel_x_per_thread(1)
+    finally:
+        ops.panel_x_per_thread(1)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (3, 64), (2, 9, 64)])

@@ -42,59 +42,66 @@ void dispatch_float(at::ScalarType type, const char* op, F&& f) {
 }
 
 // RMSNorm as modules/norm.py computes it: in float32, x * rsqrt(mean(x^2) + eps), rounded to the
-// dtype, then times the weight (a product of two dtype values, rounded again).
+// dtype, then times the weight (a product of two dtype values, rounded again). Rows [begin, end)
+// on the calling thread.
+template <typename T>
+void rms_norm_range(const T* x, const T* w, T* out, int64_t begin, int64_t end, int64_t n,
+                    float eps) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* xr = x + r * n;
+    T* yr = out + r * n;
+    int64_t i = 0;
+    float ss = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+      const __m512 a = load16(xr + i), b = load16(xr + i + 16);
+      acc0 = _mm512_fmadd_ps(a, a, acc0);
+      acc1 = _mm512_fmadd_ps(b, b, acc1);
+    }
+    for (; i + 16 <= n; i += 16) {
+      const __m512 a = load16(xr + i);
+      acc0 = _mm512_fmadd_ps(a, a, acc0);
+    }
+    ss = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m256 a = load8(xr + i), b = load8(xr + i + 8);
+      acc0 = _mm256_fmadd_ps(a, a, acc0);
+      acc1 = _mm256_fmadd_ps(b, b, acc1);
+    }
+    for (; i + 8 <= n; i += 8) {
+      const __m256 a = load8(xr + i);
+      acc0 = _mm256_fmadd_ps(a, a, acc0);
+    }
+    ss = reduce_add8(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
+    const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 normed = round16<T>(_mm512_mul_ps(load16(xr + i), vs));
+      store16(yr + i, _mm512_mul_ps(load16(w + i), normed));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 normed = round8<T>(_mm256_mul_ps(load8(xr + i), vs));
+      store8(yr + i, _mm256_mul_ps(load8(w + i), normed));
+    }
+#endif
+    for (; i < n; ++i)
+      yr[i] = from_float<T>(to_float(w[i]) * round_scalar<T>(to_float(xr[i]) * scale));
+  }
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * n;
-      T* yr = out + r * n;
-      int64_t i = 0;
-      float ss = 0.f;
-#if defined(__AVX512F__)
-      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-      for (; i + 32 <= n; i += 32) {
-        const __m512 a = load16(xr + i), b = load16(xr + i + 16);
-        acc0 = _mm512_fmadd_ps(a, a, acc0);
-        acc1 = _mm512_fmadd_ps(b, b, acc1);
-      }
-      for (; i + 16 <= n; i += 16) {
-        const __m512 a = load16(xr + i);
-        acc0 = _mm512_fmadd_ps(a, a, acc0);
-      }
-      ss = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#elif defined(__AVX2__) && defined(__FMA__)
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-      for (; i + 16 <= n; i += 16) {
-        const __m256 a = load8(xr + i), b = load8(xr + i + 8);
-        acc0 = _mm256_fmadd_ps(a, a, acc0);
-        acc1 = _mm256_fmadd_ps(b, b, acc1);
-      }
-      for (; i + 8 <= n; i += 8) {
-        const __m256 a = load8(xr + i);
-        acc0 = _mm256_fmadd_ps(a, a, acc0);
-      }
-      ss = reduce_add8(_mm256_add_ps(acc0, acc1));
-#endif
-      for (; i < n; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
-      const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-      i = 0;
-#if defined(__AVX512F__)
-      const __m512 vs = _mm512_set1_ps(scale);
-      for (; i + 16 <= n; i += 16) {
-        const __m512 normed = round16<T>(_mm512_mul_ps(load16(xr + i), vs));
-        store16(yr + i, _mm512_mul_ps(load16(w + i), normed));
-      }
-#elif defined(__AVX2__) && defined(__FMA__)
-      const __m256 vs = _mm256_set1_ps(scale);
-      for (; i + 8 <= n; i += 8) {
-        const __m256 normed = round8<T>(_mm256_mul_ps(load8(xr + i), vs));
-        store8(yr + i, _mm256_mul_ps(load8(w + i), normed));
-      }
-#endif
-      for (; i < n; ++i)
-        yr[i] = from_float<T>(to_float(w[i]) * round_scalar<T>(to_float(xr[i]) * scale));
-    }
+    rms_norm_range(x, w, out, begin, end, n, eps);
   });
 }
 
@@ -612,6 +619,10 @@ namespace nxdi_fused {
 // nxdi::rms_norm for panel_linear's `norm` argument (one op where a norm feeds a product).
 at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return rms_norm(x, weight, eps);
+}
+void rms_norm_here(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* out,
+                   int64_t rows, int64_t n, float eps) {
+  rms_norm_range(x, w, out, 0, rows, n, eps);
 }
 }  // namespace nxdi_fused
 

@@ -52,6 +52,9 @@
 
 namespace nxdi_fused {
 at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& weight, double eps);
+// rms_norm's rows on the calling thread (no parallel region).
+void rms_norm_here(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* out,
+                   int64_t rows, int64_t n, float eps);
 }
 
 namespace {
@@ -128,6 +131,17 @@ void store_tile_rows16(const float* c, int rows, int64_t m0, int64_t n0, const P
 std::atomic<bool>& prefetch_setting() {
   static std::atomic<bool> on{[] {
     const char* env = std::getenv("NXDI_PANEL_PREFETCH");
+    return env == nullptr || *env == '\0' || std::atoi(env) != 0;
+  }()};
+  return on;
+}
+
+// Whether a decode batch's product makes x's pairs (and its norm) in each thread
+// (x_for_this_thread) rather than on the calling thread before it: NXDI_PANEL_X_PER_THREAD=1/0
+// where set, read once, or the op panel_x_per_thread, for A/B runs in one process; by default on.
+std::atomic<bool>& x_per_thread_setting() {
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("NXDI_PANEL_X_PER_THREAD");
     return env == nullptr || *env == '\0' || std::atoi(env) != 0;
   }()};
   return on;
@@ -586,7 +600,7 @@ const uint32_t* pack_pairs(const BF16* x, int64_t M, int64_t K, std::vector<uint
                            int64_t tw = kDotMR) {
   const int64_t npairs = (K + 1) / 2;
   if (M == 1 && K % 2 == 0) return reinterpret_cast<const uint32_t*>(x);  // already so
-  buf.resize(M * npairs);
+  if (buf.size() < static_cast<size_t>(M * npairs)) buf.resize(M * npairs);  // (never shrunk)
   auto pack_tile = [&](int64_t m) {
     const int64_t rows = std::min<int64_t>(tw, M - m);
     uint32_t* dst = buf.data() + m * npairs;
@@ -631,10 +645,43 @@ const uint32_t* pack_pairs(const BF16* x, int64_t M, int64_t K, std::vector<uint
   return buf.data();
 }
 
-void run_dot(const Problem& pb, const BF16* x, const BF16* panels, bool paired,
-             const BF16* bias, const BF16* residual, BF16* out) {
+// Whether run_dot's threads each make x's pairs for themselves (x_for_this_thread): a decode
+// batch's rows (up to kOnTheFlyRows) on the bf16 dot products.
+bool packs_per_thread(int64_t M) {
+  return M <= kOnTheFlyRows && !(fma_min_rows() > 0 && M >= fma_min_rows()) &&
+         x_per_thread_setting().load(std::memory_order_relaxed);
+}
+
+// x's rows, first RMS-normed by `norm` where given (rms_norm's arithmetic), packed as the tiles
+// read them (pack_pairs), in buffers of the calling thread that only grow. Each thread of a
+// decode batch's product makes them for itself as it starts its part. Until session 63 they were
+// made on the calling thread before the parallel region, in a fresh (zero-filled) buffer, and
+// the norm in a tensor of its own, while the other thread waited: perf of a 16-row step on AMD
+// Zen 4 (two threads, 21.5 ms) put ~0.9 ms of the calling thread's lone work there (the zero
+// fills 0.4, the norm 0.3, the packing 0.2). Each thread still norms and packs all the rows, so
+// what goes is the fills, the allocations and the norm's own output: the step, in one process
+// with the two alternating (bench/ab_tkg_step.py --without x-per-thread, 160-240 steps each),
+// 16 rows x 576 positions 0.27 and 0.19 ms shorter in two runs (~1%), 4 and 8 rows 0.07-0.08 ms,
+// 1 row 0.02-0.2 ms; one thread even (0.08 / -0.11 ms). The same bits either way.
+const uint32_t* x_for_this_thread(const BF16* x, const BF16* norm, float eps, int64_t M,
+                                  int64_t K, int64_t tw) {
+  thread_local std::vector<BF16> normed;
+  thread_local std::vector<uint32_t> packed;
+  if (norm != nullptr) {
+    if (normed.size() < static_cast<size_t>(M * K)) normed.resize(M * K);
+    nxdi_fused::rms_norm_here(x, norm, normed.data(), M, K, eps);
+    x = normed.data();
+  }
+  return pack_pairs(x, M, K, packed, tw);
+}
+
+// With `norm` (only where packs_per_thread) x's rows are RMS-normed by it (eps) first.
+void run_dot(const Problem& pb, const BF16* x, const BF16* norm, float eps, const BF16* panels,
+             bool paired, const BF16* bias, const BF16* residual, BF16* out) {
   const int step = pb.M <= kOneStreamRows ? 1 : 2;  // few rows: one panel at a time (dot_tile)
   const bool fma = fma_min_rows() > 0 && pb.M >= fma_min_rows();
+  const bool per_thread = packs_per_thread(pb.M);
+  TORCH_INTERNAL_ASSERT(norm == nullptr || per_thread);
   std::vector<uint32_t> packed;
   std::vector<float> widened;
   // 9-16 rows: one tile of all of them a panel (16 sums), each panel read once; more rows: 8 x 2
@@ -645,14 +692,21 @@ void run_dot(const Problem& pb, const BF16* x, const BF16* panels, bool paired,
   // (12 rounds of 12 lower), 0.980x at 12; 24 and 32 rows as 16-row tiles 0.996-0.997x (not
   // taken). The same sums in the same order: the same bits.
   const int64_t dot_tw = !fma && pb.M > kDotMR && pb.M <= kFmaMR ? kFmaMR : kDotMR;
-  const uint32_t* xp = fma ? nullptr : pack_pairs(x, pb.M, pb.K, packed, dot_tw);
+  const uint32_t* xp = fma || per_thread ? nullptr : pack_pairs(x, pb.M, pb.K, packed, dot_tw);
   const float* xf = fma ? widen_rows(x, pb.M, pb.K, widened) : nullptr;
   const int64_t tile = fma ? kFmaMR : dot_tw;
-  for_each_task(pb, sizeof(BF16), tile, step, [&](int64_t p, int np, int64_t m0, int64_t m1,
-                                                  auto& buf) {
+  struct Chunk {
+    std::vector<float> buf;
+    const uint32_t* xp = nullptr;  // per_thread: this thread's pairs, once it has made them
+  };
+  for_each_task<Chunk>(pb, sizeof(BF16), tile, step, [&](int64_t p, int np, int64_t m0,
+                                                         int64_t m1, Chunk& chunk) {
     std::optional<FlushSubnormals> flush;
     if (fma) flush.emplace();
-    dot_panel_rows(pb, xp, xf, panels, paired, p, np, m0, m1, bias, residual, out, buf, dot_tw);
+    if (per_thread && chunk.xp == nullptr)
+      chunk.xp = x_for_this_thread(x, norm, eps, pb.M, pb.K, dot_tw);
+    dot_panel_rows(pb, per_thread ? chunk.xp : xp, xf, panels, paired, p, np, m0, m1, bias,
+                   residual, out, chunk.buf, dot_tw);
   });
 }
 #endif  // __AVX512BF16__
@@ -853,6 +907,26 @@ void dispatch_16_or_32(at::ScalarType type, const char* what, const char* allowe
   }
 }
 
+// Whether panel_linear leaves x's RMSNorm to run_dot's threads: where run_dot runs the product
+// with per-thread pairs (packs_per_thread; not on AMX tiles) and the norm's weight is what
+// rms_norm takes (else rms_norm_of runs first, and reports a bad weight).
+bool fused_norm_suits(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& norm) {
+#if defined(__AVX512BF16__)
+  if (x.dim() < 1 || x.size(-1) == 0 || x.scalar_type() != at::kBFloat16 ||
+      panels.scalar_type() != at::kBFloat16 || norm.dim() != 1 || norm.size(0) != x.size(-1) ||
+      norm.scalar_type() != at::kBFloat16 || !norm.is_contiguous())
+    return false;
+  const int64_t M = x.numel() / x.size(-1);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const bool paired = panels.dim() == 3 && panels.size(2) == 2 * kNR;
+  if (paired && M >= amx_min_rows() && amx_tiles_run()) return false;
+#endif
+  return M > 0 && packs_per_thread(M);
+#else
+  return false;
+#endif
+}
+
 // x [..., K] -> [..., out_features] in x's dtype: x @ (W * scale)^T (+ bias) (+ residual), W
 // given as panels [P, K, 16] (pack_panels) with P = ceil(out_features / 16); scale ([1] or
 // [out_features], any floating dtype) is required for int8 panels, optional for the others.
@@ -865,9 +939,11 @@ at::Tensor panel_linear(const at::Tensor& x_arg, const at::Tensor& panels_in, in
                         const std::optional<at::Tensor>& residual_in,
                         const std::optional<at::Tensor>& scale_in,
                         const std::optional<at::Tensor>& norm_in, double eps) {
-  const at::Tensor x_in =
-      norm_in.has_value() ? nxdi_fused::rms_norm_of(x_arg, *norm_in, eps) : x_arg;
   const bool paired = panels_in.dim() == 3 && panels_in.size(2) == 2 * kNR;
+  // The norm in run_dot's threads (x_for_this_thread) where it runs the product at all.
+  const bool norm_in_threads = norm_in.has_value() && fused_norm_suits(x_arg, panels_in, *norm_in);
+  const at::Tensor x_in = norm_in.has_value() && !norm_in_threads
+                              ? nxdi_fused::rms_norm_of(x_arg, *norm_in, eps) : x_arg;
   TORCH_CHECK(panels_in.dim() == 3 && (panels_in.size(2) == kNR || paired),
               "panel_linear: panels must be [P, K, 16] or bfloat16 pairs [P, ceil(K / 2), 32], "
               "got ", panels_in.sizes());
@@ -926,7 +1002,9 @@ at::Tensor panel_linear(const at::Tensor& x_arg, const at::Tensor& panels_in, in
       return out;
     }
 #endif
-    run_dot(pb, xb.const_data_ptr<BF16>(), panels.const_data_ptr<BF16>(), paired,
+    run_dot(pb, xb.const_data_ptr<BF16>(),
+            norm_in_threads ? norm_in->const_data_ptr<BF16>() : nullptr, static_cast<float>(eps),
+            panels.const_data_ptr<BF16>(), paired,
             bias.defined() ? bias.const_data_ptr<BF16>() : nullptr,
             residual.defined() ? residual.const_data_ptr<BF16>() : nullptr,
             out.mutable_data_ptr<BF16>());
@@ -990,6 +1068,10 @@ TORCH_LIBRARY_FRAGMENT(nxdi, m) {
   m.def("panel_prefetch(int on=-1) -> bool", [](int64_t on) {
     if (on >= 0) prefetch_setting().store(on != 0);
     return prefetch_setting().load();
+  });
+  m.def("panel_x_per_thread(int on=-1) -> bool", [](int64_t on) {
+    if (on >= 0) x_per_thread_setting().store(on != 0);
+    return x_per_thread_setting().load();
   });
   m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None, "
         "Tensor? residual=None, Tensor? scale=None, Tensor? norm=None, float eps=0.0) -> Tensor");
