@@ -675,13 +675,14 @@ const uint32_t* x_for_this_thread(const BF16* x, const BF16* norm, float eps, in
   return pack_pairs(x, M, K, packed, tw);
 }
 
-// With `norm` (only where packs_per_thread) x's rows are RMS-normed by it (eps) first.
+// With `norm` (given only where panel_linear found packs_per_thread) x's rows are RMS-normed by
+// it (eps) first, in each thread; a norm decides per_thread by itself, so that the switch
+// flipped between panel_linear's look and this one cannot leave the norm undone.
 void run_dot(const Problem& pb, const BF16* x, const BF16* norm, float eps, const BF16* panels,
              bool paired, const BF16* bias, const BF16* residual, BF16* out) {
   const int step = pb.M <= kOneStreamRows ? 1 : 2;  // few rows: one panel at a time (dot_tile)
   const bool fma = fma_min_rows() > 0 && pb.M >= fma_min_rows();
-  const bool per_thread = packs_per_thread(pb.M);
-  TORCH_INTERNAL_ASSERT(norm == nullptr || per_thread);
+  const bool per_thread = norm != nullptr || packs_per_thread(pb.M);
   std::vector<uint32_t> packed;
   std::vector<float> widened;
   // 9-16 rows: one tile of all of them a panel (16 sums), each panel read once; more rows: 8 x 2
