@@ -19,7 +19,10 @@ Every request ends with one line on the ``router.requests`` logger (INFO; the ro
 where its prompt was sent to be prefilled (the prefill worker offered first, or ``local`` when
 none was offered and the decode worker prefilled it itself: conditional disaggregation, no
 prefill worker up, or none at all), prompt / cached / output tokens, finish reason, time to
-first token and end-to-end latency, and the error when there was one. Text never appears in it."""
+first token and end-to-end latency, where the local prefill rule weighed the two sides their
+estimated seconds to finish the prompt (``eta=local:1.90s,prefill:4.10s``: a local prompt whose
+first token came far later than its estimate shows a decode worker's reported rate was off), and
+the error when there was one. Text never appears in it."""
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +38,7 @@ from nxdi_common.serving.types import ADMITTED_METADATA_KEY, TokenOutput
 from router import convert
 from router.admission import AdmissionQueue
 from router.frontend import RoutedRequest
-from router.policies import DECODE, PREFILL, LocalPrefillRule, WorkerState
+from router.policies import DECODE, PREFILL, LocalChoice, LocalPrefillRule, WorkerState
 
 # Routes between two calls of the policy's forget_workers (dropping what it keeps about workers
 # discovery no longer lists: with DNS discovery pods come and go by address).
@@ -72,6 +75,7 @@ class _Tracker:
         self.prompt_tokens, self.tokens = prompt_tokens, 0
         self.expected_cached: int | None = None  # the policy's belief when it routed it
         self.prefill = "-"  # the prefill worker offered first, "local", or "-" (never routed)
+        self.eta = ""  # LocalChoice.note() where the local prefill rule weighed both sides
         metrics.queue_depth_requests.inc()
 
     def token(self) -> None:
@@ -107,10 +111,11 @@ class _Tracker:
         ttft = "-" if self.first is None else f"{self.first - self.started:.3f}s"
         request_log.info(
             "request %s %s decode=%s prefill=%s prompt=%d cached=%s output=%d finish=%s ttft=%s "
-            "e2e=%.3fs%s", request_id, outcome, address or "-", self.prefill, self.prompt_tokens,
-            usage.cached_prompt_tokens if usage else "-", self.tokens,
+            "e2e=%.3fs%s%s", request_id, outcome, address or "-", self.prefill,
+            self.prompt_tokens, usage.cached_prompt_tokens if usage else "-", self.tokens,
             (last.finish_reason if last is not None else None) or "-", ttft,
-            time.monotonic() - self.started, f" error={error!r}" if error else "")
+            time.monotonic() - self.started, f" eta={self.eta}" if self.eta else "",
+            f" error={error!r}" if error else "")
 
 
 @dataclass(eq=False)
@@ -178,8 +183,8 @@ class Dispatcher:
             if shared is not None and not leads:
                 prefer = await _leader(shared, timeout - (time.monotonic() - tracker.started))
                 timeout -= time.monotonic() - tracker.started  # what the wait left of it
-            call, address, out, tracker.expected_cached, tracker.prefill = await self._open(
-                req, timeout, prefer)
+            (call, address, out, tracker.expected_cached, tracker.prefill,
+             tracker.eta) = await self._open(req, timeout, prefer)
             if leads:
                 shared.address = address
             while out is not None:
@@ -214,7 +219,7 @@ class Dispatcher:
     async def _open(self, req: RoutedRequest, timeout: float, prefer: str = ""):
         """A decode worker's call and first token: (call, worker address, first token, the
         prompt tokens the policy believed that worker had cached or None, the prefill worker
-        offered first or "local"). When
+        offered first or "local", LocalChoice.note() of the local prefill rule). When
         every worker refused, the request waits its turn in the admission queue (nobody waiting:
         after one try at once) and tries again as room comes; Overloaded when none comes in the
         queue's timeout."""
@@ -251,7 +256,7 @@ class Dispatcher:
         if not decodes:
             raise Unavailable(self.unhealthy_reason() or "no decode worker can take requests")
         for worker in decodes:
-            call, prefill = self._start(worker, req, prefills, deadline)
+            call, prefill, eta = self._start(worker, req, prefills, deadline)
             try:
                 first = await self._first_token(call, worker.address, refused, admitted)
             except BaseException:
@@ -262,7 +267,7 @@ class Dispatcher:
                                                               req.cache_salt)
                 self._note_routed(req, worker, prefill)
                 return (call, worker.address, first, expected,
-                        prefill.address if prefill is not None else "local")
+                        prefill.address if prefill is not None else "local", eta)
             call.cancel()
         if refused:
             return None
@@ -281,11 +286,14 @@ class Dispatcher:
 
     def _start(self, worker: WorkerState, req: RoutedRequest, ranked: list[WorkerState],
                deadline: float):
-        """The decode worker's call, and the prefill candidate it will try first (None when it
-        prefills locally)."""
+        """The decode worker's call, the prefill candidate it will try first (None when it
+        prefills locally), and the local prefill rule's estimates (LocalChoice.note())."""
         prefills = compatible_prefills(worker, ranked)
-        if prefills and self.local_prefill.prefill_locally(
-                len(req.prompt_ids), [w for w in ranked if w.address in prefills], worker):
+        choice = LocalChoice(False)
+        if prefills:
+            choice = self.local_prefill.choose(
+                len(req.prompt_ids), [w for w in ranked if w.address in prefills], worker)
+        if choice.local:
             prefills = []  # the decode worker prefills it (no candidates to pull from)
             self.metrics.local_prefills_total.inc()
         remaining = deadline - time.monotonic()
@@ -297,7 +305,7 @@ class Dispatcher:
         self.registry.note_dispatch(worker.address, prefills[0] if prefills else None,
                                     len(req.prompt_ids))
         first = next((w for w in ranked if w.address == prefills[0]), None) if prefills else None
-        return call, first
+        return call, first, choice.note()
 
     async def _first_token(self, call, address: str, refused: list[str],
                            admitted=None) -> TokenOutput | None:

@@ -159,18 +159,45 @@ class LocalPrefillRule:
 
     def prefill_locally(self, prompt_len: int, prefills: Sequence[WorkerState],
                         decode: WorkerState | None = None, now_ns: int | None = None) -> bool:
+        return self.choose(prompt_len, prefills, decode, now_ns).local
+
+    def choose(self, prompt_len: int, prefills: Sequence[WorkerState],
+               decode: WorkerState | None = None, now_ns: int | None = None) -> LocalChoice:
+        """prefill_locally's answer, with the two sides' estimated finish times where the rule
+        weighed them (the router's request line shows them: a local prompt whose first token
+        came far later than its estimate says the decode worker's reported rate was wrong)."""
         if 0 < prompt_len <= self.always_tokens:
-            return True
+            return LocalChoice(True)
         now = time.monotonic_ns() if now_ns is None else now_ns
         if not (0 < prompt_len <= self.max_tokens
                 and all(prompt_tokens_ahead(w, now) >= self.queue_tokens for w in prefills)):
-            return False
+            return LocalChoice(False)
         local = prefill_eta_s(decode.current_load, prompt_len, now) if decode else None
         if local is None and decode is not None and tokens_ahead_at(decode.current_load, now):
-            return False  # local prompts ahead and no rate yet: they may not be moving at all
-        remote = [eta for w in prefills
-                  if (eta := prefill_eta_s(w.current_load, prompt_len, now)) is not None]
-        return local is None or not remote or local <= min(remote)
+            return LocalChoice(False)  # local prompts ahead and no rate yet: maybe not moving
+        remote = min((eta for w in prefills
+                      if (eta := prefill_eta_s(w.current_load, prompt_len, now)) is not None),
+                     default=None)
+        return LocalChoice(local is None or remote is None or local <= remote, local, remote)
+
+
+@dataclass(frozen=True)
+class LocalChoice:
+    """LocalPrefillRule's answer: ``local``, and the estimated seconds to finish the prompt
+    on the decode worker and on the soonest prefill candidate (None: not weighed, or no rate
+    measured on that side)."""
+
+    local: bool
+    local_eta_s: float | None = None
+    remote_eta_s: float | None = None
+
+    def note(self) -> str:
+        """The estimates as the request line shows them ("" when neither was weighed)."""
+        if self.local_eta_s is None and self.remote_eta_s is None:
+            return ""
+        local, remote = ("-" if eta is None else f"{eta:.2f}s"
+                         for eta in (self.local_eta_s, self.remote_eta_s))
+        return f"local:{local},prefill:{remote}"
 
 
 class _Policy:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import socket
 import time
 
@@ -25,7 +26,8 @@ from router.openai_format import ChatFormatter, CompletionFormatter, finish_reas
 from router.openai_schema import (ChatRequest, CompletionRequest, chat_to_routed, chat_tools,
                                   completion_to_routed, completions_to_routed, structured_field)
 from nxdi_common.block_manager import BlockManager
-from router.policies import (DECODE, PREFILL, CacheAware, LeastLoaded, LocalPrefillRule,
+from router.policies import (DECODE, PREFILL, CacheAware, LeastLoaded, LocalChoice,
+                             LocalPrefillRule,
                              PrefixAffinity, RoundRobin, WorkerLoad, WorkerState, affinity_key,
                              make_policy, prefill_eta_s, prompt_tokens_ahead, rendezvous_order)
 from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, PrefixIndex, block_hashes
@@ -874,6 +876,74 @@ def test_local_prefill_goes_where_the_prompt_would_be_prefilled_first():
                                 now_ns=100 * s)
     assert rule.prefill_locally(200, [remote], local, now_ns=100 * s)
 
+
+
+def test_the_local_prefill_rule_reports_both_sides_estimates():
+    """choose(): prefill_locally's answer with the estimated seconds to finish the prompt on
+    each side where the rule weighed them, as the router's request line shows them."""
+    s = 10**9
+    rule = LocalPrefillRule(max_tokens=2048, queue_tokens=1000, always_tokens=256)
+    remote = rated("p1:1", PREFILL, 600.0, received_ns=100 * s, running=1400)
+    soon = rated("p2:1", PREFILL, 1200.0, received_ns=100 * s, running=1000)
+    slow_local = rated("d1:1", DECODE, 300.0, received_ns=100 * s)
+    choice = rule.choose(500, [remote, soon], slow_local, now_ns=100 * s)
+    assert not choice.local  # 1.67 s here against the soonest candidate's 1.25 s
+    assert choice.local_eta_s == pytest.approx(500 / 300)
+    assert choice.remote_eta_s == pytest.approx((1000 + 500) / 1200)
+    assert choice.note() == "local:1.67s,prefill:1.25s"
+    taken = rule.choose(500, [remote], slow_local, now_ns=100 * s)
+    assert taken.local and taken.note() == "local:1.67s,prefill:3.17s"
+    # a side without a measured rate shows as "-"; not weighed at all (short prompts always
+    # local, the pool keeping up): no estimates
+    unrated = rule.choose(1600, [remote], rated("d1:1", DECODE, 0.0, 100 * s), now_ns=100 * s)
+    assert unrated.local and unrated.note() == "local:-,prefill:5.00s"
+    assert rule.choose(200, [remote], slow_local, now_ns=100 * s) == LocalChoice(True)
+    assert rule.choose(1600, [remote], slow_local, now_ns=103 * s) == LocalChoice(False)
+    assert LocalChoice(True).note() == ""
+    for args in [(500, [remote, soon], slow_local), (500, [remote], slow_local),
+                 (200, [remote], slow_local)]:
+        assert rule.prefill_locally(*args, now_ns=100 * s) == rule.choose(
+            *args, now_ns=100 * s).local
+
+
+def test_a_request_line_shows_the_local_prefill_rules_estimates(caplog):
+    """A dispatch that weighs the two sides keeps the rule's estimates for the request's line
+    on the router.requests logger (eta=local:..,prefill:..); a line without them has no eta."""
+    from router.dispatch import _Tracker
+    now = time.monotonic_ns()
+    rule = LocalPrefillRule(max_tokens=2048, queue_tokens=1000)
+    req = RoutedRequest("r1", tuple(range(500)), SamplingOptions(), StopOptions(max_tokens=4))
+
+    async def start():
+        registry = Registry({DECODE: ["127.0.0.1:9"], PREFILL: ["127.0.0.1:10"]})
+        (d1,), (p1,) = registry.workers(DECODE), registry.workers(PREFILL)
+        d1.healthy = p1.healthy = True
+        d1.load = rated(d1.address, DECODE, 500.0, received_ns=now).load
+        p1.load = rated(p1.address, PREFILL, 500.0, received_ns=now, running=2000).load
+        dispatcher = Dispatcher(registry, LeastLoaded(), ServingMetrics("router"),
+                                local_prefill=rule)
+        try:
+            call, first, eta = dispatcher._start(d1, req, [p1], time.monotonic() + 5)
+            call.cancel()
+            return first, eta
+        finally:
+            await registry.close()
+
+    first, eta = asyncio.run(start())
+    assert first is None  # prefilled locally: no candidate offered
+    local_s, remote_s = (float(x.split(":")[1].rstrip("s")) for x in eta.split(","))
+    assert eta.startswith("local:") and local_s == pytest.approx(1.0, abs=0.02)
+    assert remote_s == pytest.approx(5.0, abs=0.02) and local_s <= remote_s
+    tracker = _Tracker(ServingMetrics("router"), 500, time.monotonic())
+    tracker.prefill, tracker.eta = "local", eta
+    with caplog.at_level(logging.INFO, logger="router.requests"):
+        tracker.log("r1", "ok", "127.0.0.1:9", None, "")
+        tracker.eta = ""
+        tracker.log("r2", "ok", "127.0.0.1:9", None, "")
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.requests"]
+    assert len(lines) == 2
+    assert "prefill=local" in lines[0] and lines[0].endswith(f" eta={eta}")
+    assert " eta=" not in lines[1]
 
 def test_a_dispatch_queues_the_prompt_where_it_is_prefilled_counted_down_to_now():
     async def run():
