@@ -127,6 +127,8 @@ PACE_STRETCH = 1.5
 # without a TTFT target: how long a local prompt waits before it is late (_paced_gap_s)
 LOCAL_LATE_S = 5.0
 PIECE_COST_DECAY = 0.8  # the weight of earlier pieces in the measured seconds per token
+# the least share of the core _prior_local_rate counts on beside running streams
+PRIOR_MIN_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -366,12 +368,43 @@ class DecodeEngine:
         have gone at lately; with a TTFT target at least what whole chunks beside the measured
         step would give, since pieces grow to that where waiting prompts need it (ITL-sized
         pieces alone would tell the router a rate the engine does not hold to under a
-        deadline, and send it prompts the engine would have met)."""
+        deadline, and send it prompts the engine would have met). Before a local prefill has
+        gone at all: _prior_local_rate."""
         rate, per_token = self.local_rate.tokens_per_s, self.piece_s_per_token
+        rate = rate or self._prior_local_rate()
         if (self.config.ttft_target_s is None or self.chunk is None or self.step_s is None
                 or not per_token):
             return rate
         return max(rate, self.chunk / (self.step_s + self.chunk * per_token))
+
+    def _prior_local_rate(self) -> float:
+        """The local prefill rate before one is measured: the rate a chunk went at in the
+        model's warm-up (the whole core's) times the share of the core local prefill would get
+        now: all of it with no stream running; beside running streams, on the local prefill
+        thread with paced steps what the paced gap leaves beside the measured step (at least
+        PRIOR_MIN_SHARE: slow, not unknown), on the compute thread a chunk a step. 0 (not
+        measured: the router's rule does not veto) without a warm-up rate or where the share
+        is not known (unpaced steps beside the thread, no step measured yet).
+
+        Before session 64 an unmeasured worker reported 0 until its first local prefill: in a
+        run at 0.875 req/s on `mixed` (BENCHMARKS.md, issue 4) the router sent such a worker,
+        busy with three streams, a 1115-token prompt while the prefill worker had long ones
+        queued (its estimate 4.24 s); the first token came after 6.0-6.2 s, and the streams' gaps
+        were stretched to 23-33 ms for it meanwhile."""
+        warm = getattr(self.model, "warmup_prefill_rate", None)
+        whole = warm(self.chunk) if self.chunk and callable(warm) else None
+        if not whole:
+            return 0.0
+        if not self.scheduler.num_running:
+            return whole
+        target, step = self.config.itl_target_s, self.step_s
+        if step is None:
+            return 0.0
+        if self._background is None:
+            return self.chunk / (step + self.chunk / whole)
+        if self._pacer is None:
+            return 0.0
+        return whole * max(1.0 - step / target, PRIOR_MIN_SHARE)
 
     # ---- engine thread --------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ reading the weights once for both. Both come in one size per NeuronConfig.mixed_
 length (default: prefill_chunk_size alone); a piece runs in the smallest that holds it."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.token_generation_model = ModelWrapper(self.config, self._model_cls,
                                                    TOKEN_GENERATION_MODEL_TAG, args)
         self.models = [self.context_encoding_model, self.token_generation_model]
+        self.warmup_seconds: dict[tuple[str, tuple[int, int]], float] = {}  # warmup()
         self.chunked_prefill_model = self.mixed_model = None
         # the chunked-prefill and mixed sub-models by chunk length
         # (NeuronConfig.mixed_chunk_buckets); chunked_prefill_model and mixed_model are the ones
@@ -101,11 +103,25 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     @torch.no_grad()
     def warmup(self) -> None:
         """Run every bucket twice so the first requests do not pay one-time costs (TorchScript's
-        executor profiles a graph on its first call and optimizes it on the second)."""
+        executor profiles a graph on its first call and optimizes it on the second); the second
+        call's seconds are kept (warmup_seconds, warmup_prefill_rate)."""
         for wrapper in self.models:
             for key, example in zip(wrapper.bucket_keys(), wrapper.input_generator()):
                 for _ in range(2):
+                    began = time.perf_counter()
                     wrapper.runnables[key](*example, self.kv_cache, self.weights)
+                self.warmup_seconds[(wrapper.tag, key)] = time.perf_counter() - began
+
+    def warmup_prefill_rate(self, tokens: int) -> float | None:
+        """Prompt tokens per second a context encoding of one ``tokens``-token prompt went at
+        in warm-up (its bucket's second call; the threads the model was loaded with): what this
+        process prefills at before it has served a prompt. None without a warm-up or a bucket
+        that holds it."""
+        cte = self.context_encoding_model
+        lengths = [n for b, n in cte.bucket_keys() if b == 1 and n >= tokens]
+        seconds = (self.warmup_seconds.get((cte.tag, (1, min(lengths))))
+                   if lengths and tokens > 0 else None)
+        return tokens / seconds if seconds else None
 
     def reset(self) -> None:
         """After a reset the next forward runs context encoding."""

@@ -208,6 +208,45 @@ def test_a_ttft_target_stretches_the_paced_gap_as_far_as_the_local_prompts_need(
         engine.stop()
 
 
+
+def test_a_worker_reports_a_local_rate_before_its_first_local_prefill(tiny_chat_model):
+    """Before any local prefill has been measured the load report's rate is the model's warm-up
+    rate for a chunk (NeuronBaseForCausalLM.warmup_prefill_rate) times the share of the core
+    local prefill would get: all of it with no stream running; beside running streams what the
+    paced gap leaves (1 - step / ITL target, at least 5%), or on the compute thread a chunk a
+    step; unknown (0) without a warm-up, a measured step or paced steps. A measured rate wins."""
+    engine = build(tiny_chat_model, "--itl-target-ms", "20")
+    inline = main.build(main.parse_args([
+        "--model", str(tiny_chat_model), "--dtype", "float32", "--backend", "eager",
+        "--threads", "1", "--max-model-len", "512", "--kv-blocks", "128", "--block-size",
+        str(BLOCK), "--max-batch-size", "4", "--prefill-chunk-tokens", "32"]))[1]
+    unpaced = build(tiny_chat_model)
+    try:
+        rate = lambda e: e.load()["prefill_tokens_per_s"]  # noqa: E731
+        assert rate(engine) == 0.0  # the eager backend warms nothing up: nothing known
+        for e in (engine, inline, unpaced):
+            cte = e.model.context_encoding_model
+            e.model.warmup_seconds[(cte.tag, (1, 32))] = 0.1  # a 32-token chunk in 0.1 s
+        assert engine.model.warmup_prefill_rate(32) == pytest.approx(320)
+        assert engine.model.warmup_prefill_rate(20) == pytest.approx(200)  # in the 32 bucket
+        assert engine.model.warmup_prefill_rate(100) is None  # its bucket not measured
+        assert rate(engine) == pytest.approx(320)  # no stream running: the whole core
+        for e in (engine, inline, unpaced):
+            e.scheduler.running["streaming"] = None  # a running stream (only counted here)
+            assert rate(e) == 0.0  # no step measured yet: the share is not known
+            e.step_s = 0.015
+        assert rate(engine) == pytest.approx(320 * 0.25)  # paced: 5 ms of every 20
+        assert rate(inline) == pytest.approx(32 / (0.015 + 0.1))  # a chunk a step
+        assert rate(unpaced) == 0.0  # SCHED_IDLE beside unpaced steps: not known
+        engine.step_s = 0.025  # steps past the target: slow, not unknown
+        assert rate(engine) == pytest.approx(320 * 0.05)
+        engine.local_rate.add(100, 1.0)  # a local prefill went at 100 tokens/s
+        assert rate(engine) == pytest.approx(100)
+    finally:
+        for e in (engine, inline, unpaced):
+            e.scheduler.running.pop("streaming", None)
+            e.stop()
+
 def test_a_sequence_dropped_mid_piece_is_released_after_the_piece(tiny_chat_model):
     engine = build(tiny_chat_model)
     try:

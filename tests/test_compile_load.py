@@ -97,6 +97,20 @@ def test_compiled_folder_layout(compiled):
     assert model.is_compiled and model.is_loaded_to_neuron
 
 
+
+def test_load_times_each_buckets_warm_up_call(compiled):
+    """load() warms every bucket up; the second call's seconds are kept, and a prompt's warm-up
+    prefill rate is its length over its CTE bucket's time (a decode worker's first estimate of
+    its local prefill rate, decode_service.engine._prior_local_rate)."""
+    model, _, _ = compiled
+    assert set(model.warmup_seconds) == (
+        {("context_encoding_model", (1, n)) for n in CTE_BUCKETS}
+        | {("token_generation_model", (1, n)) for n in TKG_BUCKETS})
+    assert all(s > 0 for s in model.warmup_seconds.values())
+    seconds = model.warmup_seconds[("context_encoding_model", (1, 32))]
+    assert model.warmup_prefill_rate(20) == pytest.approx(20 / seconds)  # in the 32 bucket
+    assert model.warmup_prefill_rate(33) is None and model.warmup_prefill_rate(0) is None
+
 def test_no_leftovers_next_to_compiled_folder(compiled):
     _, out, _ = compiled
     assert [p.name for p in out.parent.iterdir()] == [out.name]
