@@ -386,11 +386,12 @@ class DecodeEngine:
         measured: the router's rule does not veto) without a warm-up rate or where the share
         is not known (unpaced steps beside the thread, no step measured yet).
 
-        Before session 64 an unmeasured worker reported 0 until its first local prefill: in a
-        run at 0.875 req/s on `mixed` (BENCHMARKS.md, issue 4) the router sent such a worker,
-        busy with three streams, a 1115-token prompt while the prefill worker had long ones
-        queued (its estimate 4.24 s); the first token came after 6.0-6.2 s, and the streams' gaps
-        were stretched to 23-33 ms for it meanwhile."""
+        Before session 64 an unmeasured worker reported 0 until its first local prefill, and
+        the router's rule lets an unmeasured side take a prompt of any length. It did not
+        change the case that prompted it (BENCHMARKS.md, issue 4, session 64): in a cold run at
+        0.875 req/s on `mixed` a 1115-token prompt went local with or without it (the worker had
+        no stream running when last polled: 1.45 s at the whole core's rate), took 6.0-6.3 s to
+        its first token as streams joined, and stretched their gaps to 23-33 ms meanwhile."""
         warm = getattr(self.model, "warmup_prefill_rate", None)
         whole = warm(self.chunk) if self.chunk and callable(warm) else None
         if not whole:
