@@ -369,43 +369,72 @@ class DecodeEngine:
         step would give, since pieces grow to that where waiting prompts need it (ITL-sized
         pieces alone would tell the router a rate the engine does not hold to under a
         deadline, and send it prompts the engine would have met). Before a local prefill has
-        gone at all: _prior_local_rate."""
+        gone at all: _prior_local_rate. With paced steps at most what the gap at the ITL
+        target leaves beside a step (_beside_streams_rate), streams running or not.
+
+        That cap since session 65: a rate measured with the core to itself, or while the
+        paced gap was stretched for a deadline, told the router a long prompt would finish
+        sooner than it could at the ITL target, and the streams that joined meanwhile had
+        their gaps stretched for it. It holds with no stream running too: the router's view is
+        up to a poll old (a second by default), and a worker that looked idle had streams
+        joining (BENCHMARKS.md, issue 4, session 65: a 1115-token prompt estimated at 1.42 s
+        took 6.1 s to its first token; two sequences had been admitted since the poll)."""
         rate, per_token = self.local_rate.tokens_per_s, self.piece_s_per_token
         rate = rate or self._prior_local_rate()
-        if (self.config.ttft_target_s is None or self.chunk is None or self.step_s is None
-                or not per_token):
-            return rate
-        return max(rate, self.chunk / (self.step_s + self.chunk * per_token))
+        if (self.config.ttft_target_s is not None and self.chunk is not None
+                and self.step_s is not None and per_token):
+            return max(rate, self.chunk / (self.step_s + self.chunk * per_token))
+        beside = self._beside_streams_rate()
+        return min(rate, beside) if rate and beside else rate
+
+    def _beside_streams_rate(self) -> float:
+        """With local prefill on its own thread and paced steps: the rate it goes at beside
+        running streams with the gap at the ITL target, its whole-core rate (the thread's
+        measured one, else the warm-up's) times 1 - step / target, at least PRIOR_MIN_SHARE
+        (slow, not unknown); 0 where not known (no step measured or warmed up, no rate)."""
+        step = self._step_or_warmup()
+        if self._pacer is None or step is None:
+            return 0.0
+        whole = self._background.core_rate.tokens_per_s or self._warmup_rate()
+        return whole * max(1.0 - step / self.config.itl_target_s, PRIOR_MIN_SHARE)
+
+    def _step_or_warmup(self) -> float | None:
+        """The measured decode step, else a token-generation call's time in the model's
+        warm-up (None where neither is known)."""
+        warm = getattr(self.model, "warmup_step_seconds", None)
+        return self.step_s or (warm() if callable(warm) else None)
+
+    def _warmup_rate(self) -> float:
+        """The rate a prefill chunk went at in the model's warm-up (0 where not known)."""
+        warm = getattr(self.model, "warmup_prefill_rate", None)
+        return (warm(self.chunk) if self.chunk and callable(warm) else None) or 0.0
 
     def _prior_local_rate(self) -> float:
         """The local prefill rate before one is measured: the rate a chunk went at in the
-        model's warm-up (the whole core's) times the share of the core local prefill would get
-        now: all of it with no stream running; beside running streams, on the local prefill
-        thread with paced steps what the paced gap leaves beside the measured step (at least
-        PRIOR_MIN_SHARE: slow, not unknown), on the compute thread a chunk a step. 0 (not
-        measured: the router's rule does not veto) without a warm-up rate or where the share
-        is not known (unpaced steps beside the thread, no step measured yet).
+        model's warm-up (the whole core's) times the share of the core local prefill would get:
+        with paced steps what the paced gap leaves (_beside_streams_rate); else all of it with
+        no stream running, and beside running streams a chunk a step on the compute thread. 0
+        (not measured: the router's rule does not veto) without a warm-up rate or where the
+        share is not known (unpaced steps beside the thread, no step measured yet).
 
         Before session 64 an unmeasured worker reported 0 until its first local prefill, and
-        the router's rule lets an unmeasured side take a prompt of any length. It did not
-        change the case that prompted it (BENCHMARKS.md, issue 4, session 64): in a cold run at
-        0.875 req/s on `mixed` a 1115-token prompt went local with or without it (the worker had
-        no stream running when last polled: 1.45 s at the whole core's rate), took 6.0-6.3 s to
-        its first token as streams joined, and stretched their gaps to 23-33 ms meanwhile."""
-        warm = getattr(self.model, "warmup_prefill_rate", None)
-        whole = warm(self.chunk) if self.chunk and callable(warm) else None
+        the router's rule lets an unmeasured side take a prompt of any length. Alone it did
+        not change the case that prompted it (BENCHMARKS.md, issue 4, session 64): in a cold
+        run at 0.875 req/s on `mixed` a 1115-token prompt went local (the worker had no stream
+        running when last polled: 1.45 s at the whole core's rate), took 6.0-6.3 s to its
+        first token as streams joined, and stretched their gaps to 23-33 ms meanwhile; the
+        paced share with no stream running came in session 65 (_local_rate)."""
+        whole, beside = self._warmup_rate(), self._beside_streams_rate()
         if not whole:
             return 0.0
+        if beside:
+            return beside
         if not self.scheduler.num_running:
             return whole
-        target, step = self.config.itl_target_s, self.step_s
-        if step is None:
-            return 0.0
-        if self._background is None:
-            return self.chunk / (step + self.chunk / whole)
-        if self._pacer is None:
-            return 0.0
-        return whole * max(1.0 - step / target, PRIOR_MIN_SHARE)
+        step = self._step_or_warmup()
+        if step is None or self._background is not None:
+            return 0.0  # no step known, or SCHED_IDLE beside unpaced steps: not known
+        return self.chunk / (step + self.chunk / whole)
 
     # ---- engine thread --------------------------------------------------------------------
 

@@ -123,6 +123,14 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                    if lengths and tokens > 0 else None)
         return tokens / seconds if seconds else None
 
+    def warmup_step_seconds(self) -> float | None:
+        """Seconds a token-generation call for one sequence took in warm-up (the smallest
+        batch and length buckets' second call): a decode step's time before one is measured.
+        None without a warm-up."""
+        tkg = self.token_generation_model
+        keys = tkg.bucket_keys()
+        return self.warmup_seconds.get((tkg.tag, min(keys))) if keys else None
+
     def reset(self) -> None:
         """After a reset the next forward runs context encoding."""
         self.kv_cache_populated = False

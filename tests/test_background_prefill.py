@@ -212,9 +212,10 @@ def test_a_ttft_target_stretches_the_paced_gap_as_far_as_the_local_prompts_need(
 def test_a_worker_reports_a_local_rate_before_its_first_local_prefill(tiny_chat_model):
     """Before any local prefill has been measured the load report's rate is the model's warm-up
     rate for a chunk (NeuronBaseForCausalLM.warmup_prefill_rate) times the share of the core
-    local prefill would get: all of it with no stream running; beside running streams what the
-    paced gap leaves (1 - step / ITL target, at least 5%), or on the compute thread a chunk a
-    step; unknown (0) without a warm-up, a measured step or paced steps. A measured rate wins."""
+    local prefill would get: with paced steps, once a step is known, what the paced gap leaves
+    (1 - step / ITL target, at least 5%); else all of it with no stream running, and beside
+    running streams a chunk a step on the compute thread; unknown (0) without a warm-up, a
+    step, or paced steps beside the thread. A measured rate below the share wins."""
     engine = build(tiny_chat_model, "--itl-target-ms", "20")
     inline = main.build(main.parse_args([
         "--model", str(tiny_chat_model), "--dtype", "float32", "--backend", "eager",
@@ -240,12 +241,51 @@ def test_a_worker_reports_a_local_rate_before_its_first_local_prefill(tiny_chat_
         assert rate(unpaced) == 0.0  # SCHED_IDLE beside unpaced steps: not known
         engine.step_s = 0.025  # steps past the target: slow, not unknown
         assert rate(engine) == pytest.approx(320 * 0.05)
-        engine.local_rate.add(100, 1.0)  # a local prefill went at 100 tokens/s
-        assert rate(engine) == pytest.approx(100)
+        engine.step_s = 0.015
+        engine.local_rate.add(50, 1.0)  # a local prefill went at 50 tokens/s: it wins
+        assert rate(engine) == pytest.approx(50)
     finally:
         for e in (engine, inline, unpaced):
             e.scheduler.running.pop("streaming", None)
             e.stop()
+
+
+def test_with_paced_steps_the_reported_rate_is_at_most_the_paced_gaps_share(tiny_chat_model):
+    """With paced steps the reported local rate is at most what the gap at the ITL target
+    leaves beside the step (1 - step / target of the local prefill thread's whole-core rate),
+    streams running or not: a rate measured with the core to itself, or with the gap
+    stretched for a deadline, would have the router send a long prompt here that the streams
+    joining meanwhile pay for (its view is up to a poll old). Before a step is measured, the
+    token-generation warm-up call stands in for it; a slower measured rate wins."""
+    engine = build(tiny_chat_model, "--itl-target-ms", "20")
+    try:
+        rate = lambda: engine.load()["prefill_tokens_per_s"]  # noqa: E731
+        engine.local_rate.add(300, 1.0)  # measured alone: 300 tokens/s
+        engine._background.core_rate.add(400, 1.0)  # 400 tokens/s of the thread's CPU time
+        assert rate() == pytest.approx(300)  # no step known yet (eager: no warm-up either)
+        tkg = engine.model.token_generation_model
+        engine.model.warmup_seconds[(tkg.tag, min(tkg.bucket_keys()))] = 0.010
+        assert engine.model.warmup_step_seconds() == pytest.approx(0.010)
+        assert not engine._live and not engine.scheduler.num_running  # nothing here
+        assert rate() == pytest.approx(400 * 0.5)  # the warm-up step: 10 ms of every 20
+        engine.step_s = 0.015  # measured: 5 ms of every 20
+        assert rate() == pytest.approx(400 * 0.25)
+        engine.step_s = 0.030  # steps past the target: slow, not unknown
+        assert rate() == pytest.approx(400 * 0.05)
+        engine.step_s = 0.015
+        engine.local_rate.add(10, 1.0)  # measured slower than the share since: measured
+        assert rate() == pytest.approx(engine.local_rate.tokens_per_s) and rate() < 100
+    finally:
+        engine.stop()
+
+    unpaced = build(tiny_chat_model)  # SCHED_IDLE beside unpaced steps: the measured rate
+    try:
+        unpaced.local_rate.add(300, 1.0)
+        unpaced.step_s = 0.015
+        assert unpaced.load()["prefill_tokens_per_s"] == pytest.approx(300)
+    finally:
+        unpaced.stop()
+
 
 def test_a_sequence_dropped_mid_piece_is_released_after_the_piece(tiny_chat_model):
     engine = build(tiny_chat_model)

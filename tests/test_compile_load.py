@@ -101,7 +101,8 @@ def test_compiled_folder_layout(compiled):
 def test_load_times_each_buckets_warm_up_call(compiled):
     """load() warms every bucket up; the second call's seconds are kept, and a prompt's warm-up
     prefill rate is its length over its CTE bucket's time (a decode worker's first estimate of
-    its local prefill rate, decode_service.engine._prior_local_rate)."""
+    its local prefill rate, decode_service.engine._prior_local_rate), and the smallest
+    token-generation bucket's time is its decode step's before one is measured."""
     model, _, _ = compiled
     assert set(model.warmup_seconds) == (
         {("context_encoding_model", (1, n)) for n in CTE_BUCKETS}
@@ -110,6 +111,8 @@ def test_load_times_each_buckets_warm_up_call(compiled):
     seconds = model.warmup_seconds[("context_encoding_model", (1, 32))]
     assert model.warmup_prefill_rate(20) == pytest.approx(20 / seconds)  # in the 32 bucket
     assert model.warmup_prefill_rate(33) is None and model.warmup_prefill_rate(0) is None
+    assert model.warmup_step_seconds() == model.warmup_seconds[
+        ("token_generation_model", (1, min(TKG_BUCKETS)))]
 
 def test_no_leftovers_next_to_compiled_folder(compiled):
     _, out, _ = compiled
