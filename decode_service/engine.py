@@ -119,6 +119,7 @@ from nxdi_common.serving.sampling import (host_logits, model_global_topk, reques
 from nxdi_common.serving.detokenize import OutputText
 
 log = logging.getLogger(__name__)
+step_log = logging.getLogger("decode_service.steps")  # EngineConfig.log_steps
 K, V = 0, 1
 STEP_REMEASURE_S = 1.0  # with a TPOT or ITL target: the oldest step time pieces are judged by
 # with an ITL target and paced steps: the longest gap _paced_gap_s stretches to, as a multiple
@@ -164,6 +165,10 @@ class EngineConfig:
     # the local prompts' deadlines, in multiples of the ITL target or the step, whichever is
     # longer (module doc); 1: never past it.
     pace_stretch: float = PACE_STRETCH
+    # Log a line for every decode step (logger decode_service.steps, INFO): its wall-clock end,
+    # its seconds, rows and calls, the pause before it and the local prompts waiting; to line
+    # a client's inter-token gaps up with the steps that made them.
+    log_steps: bool = False
 
     def __post_init__(self):
         check_nice(self.local_prefill_nice)
@@ -225,6 +230,7 @@ class DecodeEngine:
                             else BackgroundPrefill(self, config.local_prefill_nice))
         self._pacer = (None if config.itl_target_s is None or self._background is None
                        else StepPacer(config.itl_target_s))  # _pace_s
+        self._paused_s = 0.0  # paced pauses since the last step (EngineConfig.log_steps)
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -453,6 +459,7 @@ class DecodeEngine:
         pause = self._pace_s()
         if pause > 0:  # the core goes to the local prefill thread meanwhile
             self._apply_commands(block=True, timeout=pause)
+            self._paused_s += pause
             return
         piece = self._plan_piece() if self._local else None
         if not (piece and self._piece_now(piece) and self._local_piece(piece)):
@@ -617,10 +624,20 @@ class DecodeEngine:
                 self._pacer.done(began, ended)
             self.step_s = moving_average(self.step_s, ended - began)
             self.step_measured_ns = time.monotonic_ns()
+            if self.config.log_steps:
+                self._log_step(ended - began, sum(map(len, groups)), len(groups))
             if self.metrics is not None:
                 self.metrics.decode_step_duration_seconds.observe(ended - began)
                 self.metrics.decode_steps_total.inc()
                 self.metrics.token_generation_calls_total.inc(len(groups))
+
+    def _log_step(self, seconds: float, rows: int, calls: int) -> None:
+        """EngineConfig.log_steps: one line for the step that just ended (the pauses before it
+        since the previous one, and the local prompts waiting, with it)."""
+        local = len(self._background) if self._background is not None else len(self._local)
+        step_log.info("step end=%.6f seconds=%.6f rows=%d calls=%d paused=%.6f local=%d",
+                      time.time(), seconds, rows, calls, self._paused_s, local)
+        self._paused_s = 0.0
 
     def _next_batch(self) -> list[Sequence]:
         """The running batch of this step (scheduler.next_batch), every sequence with a block for

@@ -73,6 +73,10 @@ def parse_args(argv=None):
                    "one step before its second, instead of as soon as the prefill has it: the "
                    "first inter-token gap is then one step, not the KV transfer, the wait for "
                    "the batch and a step, and the time to first token grows by as much")
+    p.add_argument("--log-steps", action="store_true",
+                   help="log a line for every decode step (logger decode_service.steps): its "
+                   "wall-clock end, seconds, rows and calls, the paced pause before it and the "
+                   "local prompts waiting; to line a client's token gaps up with the steps")
     _add_local_prefill_args(p.add_argument_group("local prefill"))
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES)
     p.add_argument("--kv-socket", choices=("on", "off"), default="on",
@@ -180,7 +184,7 @@ def build(args):
                           reserve_max_tokens=args.reserve_max_tokens,
                           local_prefill_nice=args.local_prefill_nice,
                           hold_first_token=args.hold_first_token,
-                          pace_stretch=args.pace_stretch)
+                          pace_stretch=args.pace_stretch, log_steps=args.log_steps)
     engine = DecodeEngine(model, tokenizer, worker.eos_token_ids(opts.model_dir()), config,
                           metrics, runner=compute)
     channels = PrefillChannels(kv_transfer.max_message_bytes(args.max_chunk_bytes))

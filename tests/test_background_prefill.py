@@ -351,6 +351,43 @@ def test_idle_puts_the_thread_under_sched_idle_and_it_still_prefills(tiny_chat_m
         engine.stop()
 
 
+def test_log_steps_writes_a_line_for_every_decode_step(tiny_chat_model, caplog):
+    """--log-steps: one INFO line on decode_service.steps for every decode step, with its
+    wall-clock end, seconds, rows and calls, the paced pause before it and the local prompts
+    waiting; none without the flag."""
+    import re
+    line = re.compile(r"step end=(\d+\.\d{6}) seconds=(\d+\.\d{6}) rows=(\d+) calls=(\d+) "
+                      r"paused=(\d+\.\d{6}) local=(\d+)$")
+    for flags in ((), ("--log-steps",)):
+        engine = build(tiny_chat_model, "--itl-target-ms", "20", *flags)
+        caplog.clear()
+        try:
+            with caplog.at_level("INFO", logger="decode_service.steps"):
+                began = time.time()
+                first = admit(engine, "a", list(range(7, 47)), 4, [])
+                turn_until(engine, lambda: len(first.generated) == 2)
+                second = admit(engine, "b", list(range(50, 90)), 3, [])
+                turn_until(engine, lambda: first.finished and second.finished)
+            lines = [r.getMessage() for r in caplog.records if r.name == "decode_service.steps"]
+            if not flags:
+                assert lines == []
+                continue
+            fields = [line.fullmatch(text).groups() for text in lines]
+            assert all(began <= float(end) <= time.time() for end, *_ in fields)
+            assert all(float(seconds) > 0 and int(calls) == 1 for _, seconds, _, calls, _, _ in fields)
+            # a's 3 tokens after its first and b's 2, in 3 to 5 steps (as much as b overlapped a)
+            assert sum(int(rows) for _, _, rows, *_ in fields) == 5
+            assert 3 <= len(lines) <= 5
+            engine._paused_s = 0.004  # paced pauses since the last step: shown, then reset
+            with caplog.at_level("INFO", logger="decode_service.steps"):
+                engine._log_step(0.012, 2, 1)
+            assert caplog.records[-1].getMessage().endswith(
+                "seconds=0.012000 rows=2 calls=1 paused=0.004000 local=0")
+            assert engine._paused_s == 0.0
+        finally:
+            engine.stop()
+
+
 def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(
         spawn_module, tiny_chat_model, reference):
     """The router keeps short prompts on the decode worker (--local-prefill-always-tokens);
