@@ -21,6 +21,7 @@ from decode_service.background_prefill import parse_nice
 from nxdi_bench.arrivals import ARRIVAL_KINDS
 from nxdi_bench.client import LoadTarget
 from nxdi_common.bucketing import parse_buckets
+from nxdi_common.serving.launcher_process import parse_cpu_list
 from nxdi_bench.metrics import SLO
 from nxdi_bench.runs import Runner, SweepSettings
 from nxdi_bench.workloads import WORKLOADS, PromptBuilder, get_workload
@@ -125,6 +126,12 @@ def _server_args(g) -> None:
                    help="our workers' prompt-length buckets, ending at --max-model-len")
     g.add_argument("--cpus", help="comma-separated CPU ids every configuration shares "
                    "(default: the first two this process may use)")
+    g.add_argument("--router-cpus", type=_cpu_list, default=None, metavar="CPUS",
+                   help="pin our router to these CPU ids, e.g. the prefill worker's (the first "
+                        "of --cpus); default: not pinned, it runs where the OS puts it")
+    g.add_argument("--client-cpus", type=_cpu_list, default=None, metavar="CPUS",
+                   help="pin this load generator to these CPU ids while it drives a "
+                        "configuration (every configuration alike); default: not pinned")
     g.add_argument("--decode-max-batch-size", type=int, default=16)
     g.add_argument("--kv-blocks", type=int, default=1024)
     # the prefill worker's ORDERS (prefill_service.scheduler imports torch; a test keeps the two
@@ -135,6 +142,19 @@ def _server_args(g) -> None:
                         "--prefill-max-overtaken; default: the worker's)")
     g.add_argument("--prefill-max-overtaken", type=float, metavar="SECONDS",
                    help="disaggregated: the prefill worker's --max-overtaken-seconds")
+
+
+def _cpu_list(text: str) -> list[int]:
+    """--router-cpus, --client-cpus: "0" or "0,2-3", CPUs this process may use."""
+    try:
+        cpus = parse_cpu_list(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad CPU list {text!r} (use e.g. 0 or 0,2-3)") from None
+    allowed = os.sched_getaffinity(0)
+    if not set(cpus) <= allowed:
+        raise argparse.ArgumentTypeError(f"CPUs {sorted(set(cpus) - allowed)} are not available "
+                                         f"to this process (available: {sorted(allowed)})")
+    return cpus
 
 
 def _nice(text: str) -> int | str:
@@ -176,6 +196,9 @@ def _local_prefill_args(g) -> None:
     g.add_argument("--decode-hold-first-token", action="store_true",
                    help="our decode workers send a prompt's first token when it joins the "
                         "running batch, one step before its second (--hold-first-token)")
+    g.add_argument("--decode-log-steps", action="store_true",
+                   help="our decode workers log a line for every decode step into the run's "
+                        "logs folder (--log-steps), to line the client's token gaps up with")
     g.add_argument("--decode-ttft-target", type=float, default=None, metavar="SECONDS",
                    help="with --decode-itl-target: our decode workers make a local prefill "
                         "piece larger (the paced gap longer) where waiting local prompts would "
@@ -311,14 +334,17 @@ def _compare_settings(args):
                           decode_ttft_target_s=args.decode_ttft_target,
                           decode_local_prefill_nice=args.decode_local_prefill_nice,
                           decode_hold_first_token=args.decode_hold_first_token,
+                          decode_log_steps=args.decode_log_steps,
                           prefill_order=args.prefill_order,
                           prefill_max_overtaken_s=args.prefill_max_overtaken)
     if args.cpus:
         serve.cpus = [int(c) for c in args.cpus.split(",")]
+    serve.router_cpus = args.router_cpus
     out_dir = args.out_dir or Path("results/goodput") / (
         f"{workload.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     return CompareSettings(configs=configs, workload=workload, slo=_slo(args), sweep=sweep,
-                           serve=serve, out_dir=out_dir, cdf_rate=args.cdf_rate)
+                           serve=serve, out_dir=out_dir, cdf_rate=args.cdf_rate,
+                           client_cpus=args.client_cpus)
 
 
 def cmd_compare(args) -> int:

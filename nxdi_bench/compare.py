@@ -6,6 +6,7 @@ A configuration that cannot start (a peer that does not install or run here) is 
 its error and the run goes on with the others."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -37,6 +38,7 @@ class CompareSettings:
     serve: ServeSettings
     out_dir: Path
     cdf_rate: float | None = None       # None: the highest rate every configuration ran
+    client_cpus: list[int] | None = None  # the load generator's CPUs while it runs (None: any)
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
 
@@ -63,11 +65,28 @@ def _meta(s: CompareSettings) -> dict:
             "workload": s.workload.name,
             "workload_classes": [asdict(c) for c in s.workload.classes],
             "slo": asdict(s.slo), "sweep": asdict(s.sweep),
-            "serve": {k: v for k, v in asdict(s.serve).items()}}
+            "serve": {k: v for k, v in asdict(s.serve).items()},
+            "client_cpus": s.client_cpus}
+
+
+@contextlib.contextmanager
+def pinned(cpus: list[int] | None):
+    """Run the calling thread (the load generator's event loop) on ``cpus`` meanwhile (None:
+    leave it where it is); its affinity before comes back after."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _run_config(name: str, s: CompareSettings, builder: PromptBuilder, progress) -> tuple[dict, dict]:
-    with serve(name, s.serve, progress, s.out_dir / "logs" / f"{name}.log") as target:
+    with serve(name, s.serve, progress, s.out_dir / "logs" / f"{name}.log") as target, \
+            pinned(s.client_cpus):
         runner = Runner(target, s.workload, builder, s.slo, s.sweep, label=name)
         progress(f"[{name}] serving at {target.base_url} (model {target.model}); warming up")
         runner.warm_up()

@@ -43,6 +43,7 @@ class ServeSettings:
     quantize: str | None = None         # ours only: "int8" weights
     context_buckets: tuple[int, ...] | None = None  # ours only: CTE buckets
     cpus: list[int] = field(default_factory=lambda: _default_cpus())
+    router_cpus: list[int] | None = None  # ours: the CPUs our router is pinned to (None: any)
     decode_max_batch_size: int = 16
     kv_blocks: int = 1024
     local_prefill_max_tokens: int = 0    # disaggregated: the router's conditional disaggregation
@@ -55,6 +56,7 @@ class ServeSettings:
     decode_local_prefill_nice: int | str | None = None  # ours: decode workers' --local-prefill-nice
     decode_hold_first_token: bool = False  # ours: decode workers' --hold-first-token
     decode_pace_stretch: float | None = None  # ours: decode workers' --pace-stretch
+    decode_log_steps: bool = False  # ours: decode workers' --log-steps (lines in the log)
     prefill_order: str | None = None  # disaggregated: the prefill worker's --order
     prefill_max_overtaken_s: float | None = None  # ... and its --max-overtaken-seconds
     startup_timeout_s: float = 900.0
@@ -81,12 +83,16 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
         decode_args += ["--hold-first-token"]
     if s.decode_pace_stretch is not None:
         decode_args += ["--pace-stretch", f"{s.decode_pace_stretch:g}"]
+    if s.decode_log_steps:
+        decode_args += ["--log-steps"]
     common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
                   compiled_root=s.compiled_root, quantize=s.quantize, decode_args=decode_args,
                   context_buckets=s.context_buckets,
                   startup_timeout_seconds=s.startup_timeout_s)
+    router = {"router": list(s.router_cpus)} if s.router_cpus else {}
     if name == "disaggregated":
         cpus = {"prefill0": s.cpus[:1], "decode0": s.cpus[-1:]} if len(s.cpus) >= 2 else {}
+        cpus.update(router)
         router_args = []
         if s.local_prefill_max_tokens:
             router_args = ["--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
@@ -102,13 +108,15 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
                           router_args=router_args, prefill_args=prefill_args, **common)
     if name == "aggregated":
         return LaunchSpec(prefill_workers=0, decode_workers=1, threads=max(1, len(s.cpus)),
-                          cpus={"decode0": list(s.cpus)} if s.cpus else {}, **common)
+                          cpus={"decode0": list(s.cpus), **router} if s.cpus else router,
+                          **common)
     if name == "replicated":
         if len(s.cpus) < 2:
             raise ValueError(f"configuration: replicated needs at least 2 CPUs (one decode "
                              f"worker each), got {s.cpus}")
         return LaunchSpec(prefill_workers=0, decode_workers=len(s.cpus), threads=1,
-                          cpus={f"decode{i}": [c] for i, c in enumerate(s.cpus)}, **common)
+                          cpus={**{f"decode{i}": [c] for i, c in enumerate(s.cpus)}, **router},
+                          **common)
     raise ValueError(f"configuration: {name!r} is not one of ours ({', '.join(OURS)})")
 
 

@@ -1,6 +1,7 @@
 """``nxdi-bench compare --quick`` end to end against the real local stack (router, prefill and
 decode processes on a tiny model): both of our configurations measured, outputs exactly as long
 as requested, results/table/plots written, and a peer that cannot start reported, not dropped."""
+import argparse
 import json
 
 import pytest
@@ -191,3 +192,39 @@ def test_replicated_runs_one_decode_worker_per_cpu_and_is_not_in_the_default_set
     assert "replicated" in CONFIGS and "replicated" not in DEFAULT_CONFIGS
     settings = cli._compare_settings(cli.build_parser().parse_args(["compare"]))
     assert settings.configs == ["disaggregated", "aggregated", "vllm-cpu", "llama.cpp"]
+
+
+def test_router_and_client_cpus_and_step_lines_reach_their_processes():
+    """--router-cpus pins our router (every configuration of ours; default: not pinned),
+    --client-cpus the load generator's thread while it drives a configuration (its affinity
+    before comes back after), --decode-log-steps gives our decode workers --log-steps; CPU
+    lists this process may not use are refused by name."""
+    import os
+
+    from nxdi_bench.compare import pinned
+    from nxdi_bench.configs import OURS, ServeSettings, our_launch_spec
+    cpu = min(os.sched_getaffinity(0))
+    settings = cli._compare_settings(cli.build_parser().parse_args(
+        ["compare", "--router-cpus", str(cpu), "--client-cpus", str(cpu), "--cpus", "0,1",
+         "--decode-log-steps"]))
+    assert settings.serve.router_cpus == [cpu] and settings.client_cpus == [cpu]
+    for name in OURS:
+        spec = our_launch_spec(name, settings.serve)
+        assert spec.cpus["router"] == [cpu]
+        assert spec.decode_args[-1] == "--log-steps"
+        plain = our_launch_spec(name, ServeSettings(cpus=[0, 1]))
+        assert "router" not in plain.cpus and "--log-steps" not in plain.decode_args
+    assert our_launch_spec("disaggregated", settings.serve).cpus == {
+        "prefill0": [0], "decode0": [1], "router": [cpu]}
+    before = os.sched_getaffinity(0)
+    with pinned([cpu]):
+        assert os.sched_getaffinity(0) == {cpu}
+    assert os.sched_getaffinity(0) == before
+    with pinned(None):
+        assert os.sched_getaffinity(0) == before
+    for flag in ("--router-cpus", "--client-cpus"):
+        for bad in ("x", "", "2-y", str(max(before) + 1000)):
+            with pytest.raises(SystemExit):
+                cli.build_parser().parse_args(["compare", flag, bad])
+    with pytest.raises(argparse.ArgumentTypeError, match=r"CPUs \[\d+\] are not available"):
+        cli._cpu_list(str(max(before) + 1000))
