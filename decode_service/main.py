@@ -247,6 +247,7 @@ async def serve(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    worker.apply_nice(args.nice)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s decode %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(args))

@@ -22,6 +22,7 @@ from nxdi_bench.arrivals import ARRIVAL_KINDS
 from nxdi_bench.client import LoadTarget
 from nxdi_common.bucketing import parse_buckets
 from nxdi_common.serving.launcher_process import parse_cpu_list
+from nxdi_common.serving.worker import process_nice as worker_nice
 from nxdi_bench.metrics import SLO
 from nxdi_bench.runs import Runner, SweepSettings
 from nxdi_bench.workloads import WORKLOADS, PromptBuilder, get_workload
@@ -142,6 +143,9 @@ def _server_args(g) -> None:
                         "--prefill-max-overtaken; default: the worker's)")
     g.add_argument("--prefill-max-overtaken", type=float, metavar="SECONDS",
                    help="disaggregated: the prefill worker's --max-overtaken-seconds")
+    g.add_argument("--prefill-nice", type=worker_nice, metavar="N",
+                   help="disaggregated: the prefill worker's --nice (0-19), below a router "
+                        "pinned to its core (--router-cpus); default: unchanged")
 
 
 def _cpu_list(text: str) -> list[int]:
@@ -336,7 +340,8 @@ def _compare_settings(args):
                           decode_hold_first_token=args.decode_hold_first_token,
                           decode_log_steps=args.decode_log_steps,
                           prefill_order=args.prefill_order,
-                          prefill_max_overtaken_s=args.prefill_max_overtaken)
+                          prefill_max_overtaken_s=args.prefill_max_overtaken,
+                          prefill_nice=args.prefill_nice)
     if args.cpus:
         serve.cpus = [int(c) for c in args.cpus.split(",")]
     serve.router_cpus = args.router_cpus

@@ -59,6 +59,7 @@ class ServeSettings:
     decode_log_steps: bool = False  # ours: decode workers' --log-steps (lines in the log)
     prefill_order: str | None = None  # disaggregated: the prefill worker's --order
     prefill_max_overtaken_s: float | None = None  # ... and its --max-overtaken-seconds
+    prefill_nice: int | None = None  # ... and its --nice
     startup_timeout_s: float = 900.0
 
 
@@ -104,6 +105,8 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
             prefill_args += ["--order", s.prefill_order]
         if s.prefill_max_overtaken_s is not None:
             prefill_args += ["--max-overtaken-seconds", f"{s.prefill_max_overtaken_s:g}"]
+        if s.prefill_nice is not None:
+            prefill_args += ["--nice", str(s.prefill_nice)]
         return LaunchSpec(prefill_workers=1, decode_workers=1, threads=1, cpus=cpus,
                           router_args=router_args, prefill_args=prefill_args, **common)
     if name == "aggregated":

@@ -477,6 +477,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    worker.apply_nice(args.nice)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(args))

@@ -388,6 +388,15 @@ def test_log_steps_writes_a_line_for_every_decode_step(tiny_chat_model, caplog):
             engine.stop()
 
 
+def thread_nices(pid: int) -> dict[int, int]:
+    """Each thread of process ``pid``: its nice value (/proc/PID/task/TID/stat, field 19)."""
+    nices = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            nices[int(task)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    return nices
+
+
 def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(
         spawn_module, tiny_chat_model, reference):
     """The router keeps short prompts on the decode worker (--local-prefill-always-tokens);
@@ -400,11 +409,14 @@ def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(
               "--threads", "1", "--max-model-len", 512)
     decode = spawn_module("decode_service", *common, "--kv-blocks", 256,
                           "--prefill-chunk-tokens", 32, "--local-prefill-nice", 5)
-    prefill = spawn_module("prefill_service", *common)
+    prefill = spawn_module("prefill_service", *common, "--nice", 3)  # below the router
     http = spawn_module("router", "--model", tiny_chat_model, "--max-model-len", 512,
                         "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
                         "--decode", decode.grpc, "--prefill", prefill.grpc,
                         "--local-prefill-always-tokens", 256).info["http"]
+    threads = thread_nices(prefill.proc.pid)  # --nice: every thread the worker started
+    assert len(threads) > 2 and set(threads.values()) == {3}, threads
+    assert set(thread_nices(decode.proc.pid).values()) >= {0, 5}  # no --nice: unchanged
     prompts = [list(range(100 + 97 * i, 100 + 97 * i + 40 + 20 * i)) for i in range(4)]
 
     async def all_at_once():

@@ -159,6 +159,13 @@ def test_prefill_order_flags_reach_only_the_disaggregated_prefill_worker():
     serve = ServeSettings(prefill_order="shortest", prefill_max_overtaken_s=2.0)
     assert our_launch_spec("disaggregated", serve).prefill_args == [
         "--order", "shortest", "--max-overtaken-seconds", "2"]
+    niced = cli._compare_settings(cli.build_parser().parse_args(
+        ["compare", "--prefill-nice", "10"])).serve
+    assert our_launch_spec("disaggregated", niced).prefill_args == ["--nice", "10"]
+    assert our_launch_spec("aggregated", niced).prefill_args == []
+    for bad in ("20", "-1", "low"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["compare", "--prefill-nice", bad])
     assert our_launch_spec("aggregated", serve).prefill_args == []
     assert our_launch_spec("disaggregated", ServeSettings()).prefill_args == []
     nice = cli._compare_settings(cli.build_parser().parse_args(

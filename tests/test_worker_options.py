@@ -1,6 +1,6 @@
 """Worker model options that shape the compiled graphs: --context-buckets (explicit prompt-length
 buckets for context encoding) from the command line to the model's CTE sub-model, with bad lists
-refused naming the option."""
+refused naming the option; a worker's --nice."""
 import argparse
 
 import pytest
@@ -180,3 +180,18 @@ def test_workers_started_together_compile_a_configuration_once(tmp_path, compile
     assert loaded and manifest.stat().st_mtime_ns == stamp  # loaded, not compiled again
     ids = torch.randint(0, 64, (1, 12))
     assert torch.equal(loaded[0].forward(ids).tokens, first.forward(ids).tokens)
+
+
+def test_nice_takes_0_to_19_and_refuses_the_rest_by_name(capsys):
+    """--nice (both workers): an integer from 0 to 19, unset by default; anything else is
+    refused naming the option and the range. (A worker started with it: test_background_prefill,
+    every thread of the process at that value.)"""
+    p = argparse.ArgumentParser()
+    worker.add_server_args(p)
+    assert p.parse_args([]).nice is None
+    assert p.parse_args(["--nice", "0"]).nice == 0 and p.parse_args(["--nice", "19"]).nice == 19
+    for bad in ("20", "-1", "low", "2.5"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--nice", bad])
+        assert "--nice must be an integer in [0, 19]" in capsys.readouterr().err
+    worker.apply_nice(None)  # unset: nothing changes (and nothing raised)

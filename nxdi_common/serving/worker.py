@@ -12,6 +12,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 from nxdi_common.bucketing import (parse_buckets, prefill_buckets, quartered_buckets,
                                    validate_buckets)
 from nxdi_common.kv_transfer import ModelFingerprint
+from nxdi_common.serving.thread_priority import NICE_RANGE, check_nice
 
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16")
@@ -83,6 +85,40 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--nice", type=process_nice, default=None, metavar="N",
+                   help="OS nice value (0-19) of this worker, every thread it starts included: "
+                        "e.g. a prefill worker sharing its core with the router below it, so "
+                        "that the router's token deliveries do not wait behind a prefill "
+                        "(default: unchanged)")
+
+
+def process_nice(text: str) -> int:
+    """--nice: an integer in thread_priority.NICE_RANGE."""
+    try:
+        return check_nice(int(text), "--nice", "the nice value the process started with")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc) if "must be" in str(exc) else
+                                         f"--nice must be an integer in {list(NICE_RANGE)}, "
+                                         f"got {text!r}") from None
+
+
+def apply_nice(nice: int | None) -> None:
+    """Give every thread of this process nice ``nice`` (None: leave them): called first thing
+    in a worker's main, so that the threads it starts afterwards inherit it (Linux keeps a nice
+    value per thread; threads the imports started are set here one by one)."""
+    if nice is None:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]  # no /proc: the calling thread, which the later ones inherit from
+    try:
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except PermissionError:
+        raise SystemExit(f"--nice {nice}: below this process's nice "
+                         f"{os.getpriority(os.PRIO_PROCESS, 0)} needs privilege") from None
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
