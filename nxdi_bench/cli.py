@@ -130,6 +130,9 @@ def _server_args(g) -> None:
     g.add_argument("--router-cpus", type=_cpu_list, default=None, metavar="CPUS",
                    help="pin our router to these CPU ids, e.g. the prefill worker's (the first "
                         "of --cpus); default: not pinned, it runs where the OS puts it")
+    g.add_argument("--router-nice", type=worker_nice, default=None, metavar="N",
+                   help="our router's OS nice value (0-19; --nice), e.g. below the decode "
+                        "worker whose core it shares (default: unchanged)")
     g.add_argument("--client-cpus", type=_cpu_list, default=None, metavar="CPUS",
                    help="pin this load generator to these CPU ids while it drives a "
                         "configuration (every configuration alike); default: not pinned")
@@ -344,7 +347,7 @@ def _compare_settings(args):
                           prefill_nice=args.prefill_nice)
     if args.cpus:
         serve.cpus = [int(c) for c in args.cpus.split(",")]
-    serve.router_cpus = args.router_cpus
+    serve.router_cpus, serve.router_nice = args.router_cpus, args.router_nice
     out_dir = args.out_dir or Path("results/goodput") / (
         f"{workload.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     return CompareSettings(configs=configs, workload=workload, slo=_slo(args), sweep=sweep,

@@ -44,6 +44,7 @@ class ServeSettings:
     context_buckets: tuple[int, ...] | None = None  # ours only: CTE buckets
     cpus: list[int] = field(default_factory=lambda: _default_cpus())
     router_cpus: list[int] | None = None  # ours: the CPUs our router is pinned to (None: any)
+    router_nice: int | None = None  # ours: our router's --nice
     decode_max_batch_size: int = 16
     kv_blocks: int = 1024
     local_prefill_max_tokens: int = 0    # disaggregated: the router's conditional disaggregation
@@ -91,12 +92,13 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
                   context_buckets=s.context_buckets,
                   startup_timeout_seconds=s.startup_timeout_s)
     router = {"router": list(s.router_cpus)} if s.router_cpus else {}
+    niced = ["--nice", str(s.router_nice)] if s.router_nice is not None else []
     if name == "disaggregated":
         cpus = {"prefill0": s.cpus[:1], "decode0": s.cpus[-1:]} if len(s.cpus) >= 2 else {}
         cpus.update(router)
-        router_args = []
+        router_args = list(niced)
         if s.local_prefill_max_tokens:
-            router_args = ["--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
+            router_args += ["--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
                            "--local-prefill-queue-tokens", str(s.local_prefill_queue_tokens)]
         if s.local_prefill_always_tokens:
             router_args += ["--local-prefill-always-tokens", str(s.local_prefill_always_tokens)]
@@ -112,14 +114,14 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
     if name == "aggregated":
         return LaunchSpec(prefill_workers=0, decode_workers=1, threads=max(1, len(s.cpus)),
                           cpus={"decode0": list(s.cpus), **router} if s.cpus else router,
-                          **common)
+                          router_args=niced, **common)
     if name == "replicated":
         if len(s.cpus) < 2:
             raise ValueError(f"configuration: replicated needs at least 2 CPUs (one decode "
                              f"worker each), got {s.cpus}")
         return LaunchSpec(prefill_workers=0, decode_workers=len(s.cpus), threads=1,
                           cpus={**{f"decode{i}": [c] for i, c in enumerate(s.cpus)}, **router},
-                          **common)
+                          router_args=niced, **common)
     raise ValueError(f"configuration: {name!r} is not one of ours ({', '.join(OURS)})")
 
 

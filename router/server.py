@@ -22,7 +22,8 @@ import uvicorn
 from nxdi_common.serving.grpc_server import (GrpcServer, freeze_startup_heap, install_shutdown,
                                               print_ready)
 from nxdi_common.serving.metrics import ServingMetrics
-from nxdi_common.serving.worker import add_model_args, model_options_from_args
+from nxdi_common.serving.worker import (add_model_args, apply_nice, model_options_from_args,
+                                        process_nice)
 from router import convert
 from router.admission import AdmissionQueue
 from router.auth import ApiKeys, GrpcAuth, HttpAuth, keys_from
@@ -223,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the model writes tool calls: auto (default) takes the chat "
                         "template's (llama3_json for Llama 3.1-3.3's JSON calls, else hermes: "
                         "<tool_call> tags, also what the router's own tool prompt teaches)")
+    p.add_argument("--nice", type=process_nice, default=None, metavar="N",
+                   help="OS nice value (0-19) of the router, every thread of it: e.g. below a "
+                        "decode worker whose core it shares (default: unchanged)")
     p.add_argument("--no-request-log", action="store_true",
                    help="no line per finished request on the router.requests logger (id, "
                         "outcome, worker, token counts, finish reason, TTFT, latency; never text)")
@@ -322,6 +326,7 @@ async def serve(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    apply_nice(args.nice)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
     if args.no_request_log:

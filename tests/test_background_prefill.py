@@ -410,12 +410,14 @@ def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(
     decode = spawn_module("decode_service", *common, "--kv-blocks", 256,
                           "--prefill-chunk-tokens", 32, "--local-prefill-nice", 5)
     prefill = spawn_module("prefill_service", *common, "--nice", 3)  # below the router
-    http = spawn_module("router", "--model", tiny_chat_model, "--max-model-len", 512,
-                        "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
-                        "--decode", decode.grpc, "--prefill", prefill.grpc,
-                        "--local-prefill-always-tokens", 256).info["http"]
+    router = spawn_module("router", "--model", tiny_chat_model, "--max-model-len", 512,
+                          "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
+                          "--decode", decode.grpc, "--prefill", prefill.grpc,
+                          "--local-prefill-always-tokens", 256, "--nice", 2)
+    http = router.info["http"]
     threads = thread_nices(prefill.proc.pid)  # --nice: every thread the worker started
     assert len(threads) > 2 and set(threads.values()) == {3}, threads
+    assert set(thread_nices(router.proc.pid).values()) == {2}  # the router's too
     assert set(thread_nices(decode.proc.pid).values()) >= {0, 5}  # no --nice: unchanged
     prompts = [list(range(100 + 97 * i, 100 + 97 * i + 40 + 20 * i)) for i in range(4)]
 

@@ -1002,3 +1002,16 @@ def test_router_command_line_sets_the_local_prefill_rule():
                                       "--local-prefill-queue-tokens", "1024",
                                       "--local-prefill-always-tokens", "256"])
     assert settings_from_args(args).local_prefill == LocalPrefillRule(2048, 1024, 256)
+
+
+def test_router_command_line_takes_a_nice_value(capsys):
+    """--nice N (0-19) runs every thread of the router at that OS nice value (apply_nice, as
+    the workers'; a worker started with it: test_background_prefill); unset by default, and
+    anything else refused naming the option."""
+    from router.server import build_parser
+    assert build_parser().parse_args([]).nice is None
+    assert build_parser().parse_args(["--nice", "12"]).nice == 12
+    for bad in ("20", "-3", "x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--nice", bad])
+        assert "--nice must be an integer in [0, 19]" in capsys.readouterr().err
