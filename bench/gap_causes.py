@@ -1,0 +1,135 @@
+"""Which decode steps made a run's long inter-token gaps: an `nxdi-bench compare` run of the
+disaggregated configuration with `--decode-log-steps` (its decode worker's step lines are in
+logs/disaggregated.log) and its records.json (`--cdf-rate R`: the requests of rate R). Each gap
+over --over-ms between two tokens of a stream is put down to
+
+- paced: the step that made the later token followed a paced pause (local prefill time) and
+  the two steps' ends were that far apart;
+- slow step: no pause, the steps' ends that far apart;
+- delivery: the steps' ends were not that far apart, the tokens reached the client later;
+- steps between N: the tokens lined up with steps N apart (not one), so neither of the above.
+
+The client's clock (perf_counter from the run's start) is put on the wall clock by the router's
+request lines (logged as a request ends, ms resolution), then shifted so that tokens sit on
+their nearest step ends. Also: the step times by rows, and how many slow steps of one or two
+rows came while some request waited for its first token (the prefill worker busy, or a KV
+transfer on its way).
+
+    python bench/gap_causes.py results/goodput/<run> [--over-ms 21.3] [--slow-ms 17] [--list 40]
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime
+import json
+import re
+import statistics
+from collections import Counter
+from pathlib import Path
+
+STEP = re.compile(r"step end=([\d.]+) seconds=([\d.]+) rows=(\d+) calls=(\d+) "
+                  r"paused=([\d.]+) local=(\d+)")
+REQUEST = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .*router\.requests: .* "
+                     r"prompt=(\d+) cached=\d+ output=(\d+) ")
+
+
+def wall(stamp: str) -> float:
+    """A log line's "YYYY-MM-DD HH:MM:SS,mmm" (UTC) as Unix seconds."""
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").replace(
+        tzinfo=datetime.timezone.utc).timestamp()
+
+
+def load(run: Path) -> tuple[list[dict], list[tuple], dict]:
+    """The disaggregated records, the step lines (end, seconds, rows, calls, paused, local)
+    and the router's end times by (prompt tokens, output tokens)."""
+    records = json.loads((run / "records.json").read_text())["disaggregated"]
+    steps, ends = [], {}
+    for line in (run / "logs" / "disaggregated.log").read_text().splitlines():
+        if m := STEP.search(line):
+            steps.append(tuple(float(x) for x in m.groups()))
+        elif m := REQUEST.search(line):
+            ends.setdefault((int(m[2]), int(m[3])), []).append(wall(m[1]))
+    if not steps:
+        raise SystemExit(f"{run}: no step lines (run the decode worker with --log-steps: "
+                         f"nxdi-bench compare --decode-log-steps)")
+    return records, sorted(steps), ends
+
+
+def clock_offset(records, step_ends, router_ends) -> float:
+    """Seconds to add to a record's times to put them on the wall clock of the step lines."""
+    offsets = [router_ends[key][-1] - r["token_times"][-1] for r in records
+               if r["token_times"] and (key := (r["prompt_tokens"], r["output_tokens"]
+                                                or len(r["token_times"]))) in router_ends]
+    if not offsets:
+        raise SystemExit("no request of records.json matches a router request line")
+    offset = statistics.median(offsets)
+    for _ in range(3):  # tokens onto their nearest step ends
+        offset -= statistics.median(t + offset - nearest(step_ends, t + offset)
+                                    for r in records for t in r["token_times"][1:])
+    return offset
+
+
+def nearest(ends: list[float], t: float) -> float:
+    i = bisect.bisect_left(ends, t)
+    return min((ends[j] for j in (i - 1, i) if 0 <= j < len(ends)), key=lambda e: abs(t - e))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("run", type=Path, help="the compare run's --out-dir")
+    p.add_argument("--over-ms", type=float, default=21.3, help="a long gap: over this")
+    p.add_argument("--slow-ms", type=float, default=17.0, help="a slow step of 1-2 rows")
+    p.add_argument("--list", type=int, default=0, help="print the first N long gaps")
+    args = p.parse_args(argv)
+    over, slow_s = args.over_ms / 1e3, args.slow_ms / 1e3
+    records, steps, router_ends = load(args.run)
+    ends = [s[0] for s in steps]
+    index = {e: i for i, e in enumerate(ends)}
+    offset = clock_offset(records, ends, router_ends)
+    causes, listed, total = Counter(), [], 0
+    for r in records:
+        times = [t + offset for t in r["token_times"]]
+        for a, b in zip(times, times[1:]):
+            total += 1
+            if b - a <= over:
+                continue
+            i0, i1 = index[nearest(ends, a)], index[nearest(ends, b)]
+            _, seconds, rows, _, paused, local = steps[i1]
+            apart = ends[i1] - ends[i0]
+            if i1 - i0 != 1:
+                cause = f"steps between {i1 - i0}"
+            elif apart <= over:
+                cause = "delivery"
+            else:
+                cause = "paced" if paused > 0.001 else "slow step"
+            causes[cause] += 1
+            listed.append((b - offset, b - a, apart, seconds, paused, int(rows), int(local), cause))
+    long_gaps = sum(causes.values())
+    print(f"{total} gaps, {long_gaps} over {args.over_ms} ms ({long_gaps / max(total, 1):.2%}): "
+          + ", ".join(f"{c} {n}" for c, n in causes.most_common()))
+    for t, gap, apart, seconds, paused, rows, local, cause in listed[:args.list]:
+        print(f"  {t:8.2f} s gap {gap * 1e3:5.1f} ms, step ends {apart * 1e3:5.1f} apart, step "
+              f"{seconds * 1e3:5.1f} ms, paused {paused * 1e3:4.1f}, rows {rows}, local {local}: "
+              f"{cause}")
+    by_rows: dict[int, list[float]] = {}
+    for s in steps:
+        by_rows.setdefault(int(s[2]), []).append(s[1])
+    for rows, seconds in sorted(by_rows.items()):
+        q = statistics.quantiles(seconds, n=100) if len(seconds) > 1 else seconds * 99
+        print(f"steps of {rows} rows: {len(seconds)}, p50 {q[49] * 1e3:.1f} ms, p90 "
+              f"{q[89] * 1e3:.1f}, p99 {q[98] * 1e3:.1f}")
+    waiting = [(r["due_s"] + offset, r["token_times"][0] + offset)
+               for r in records if r["token_times"]]
+    small = [s for s in steps if s[2] <= 2]
+    slow = [s for s in small if s[1] > slow_s]
+    during = [s for s in slow if any(a <= s[0] <= b for a, b in waiting)]
+    share = sum(any(a <= s[0] <= b for a, b in waiting) for s in small) / max(len(small), 1)
+    print(f"steps of 1-2 rows over {args.slow_ms} ms: {len(slow)} of {len(small)}; "
+          f"{len(during)} while a request waited for its first token ({share:.0%} of all such "
+          f"steps were)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
