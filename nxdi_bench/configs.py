@@ -69,7 +69,8 @@ def _default_cpus() -> list[int]:
     return cpus[:2]
 
 
-def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
+def _decode_args(s: ServeSettings) -> list[str]:
+    """Our decode workers' command line options from the settings."""
     decode_args = ["--max-batch-size", str(s.decode_max_batch_size), "--kv-blocks", str(s.kv_blocks)]
     if s.prefill_chunk_tokens is not None:
         decode_args += ["--prefill-chunk-tokens", str(s.prefill_chunk_tokens)]
@@ -87,8 +88,31 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
         decode_args += ["--pace-stretch", f"{s.decode_pace_stretch:g}"]
     if s.decode_log_steps:
         decode_args += ["--log-steps"]
+    return decode_args
+
+
+def _disaggregated_args(s: ServeSettings) -> tuple[list[str], list[str]]:
+    """The disaggregated configuration's router options (conditional disaggregation) and
+    prefill worker options."""
+    router_args = []
+    if s.local_prefill_max_tokens:
+        router_args += ["--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
+                        "--local-prefill-queue-tokens", str(s.local_prefill_queue_tokens)]
+    if s.local_prefill_always_tokens:
+        router_args += ["--local-prefill-always-tokens", str(s.local_prefill_always_tokens)]
+    prefill_args = []
+    if s.prefill_order is not None:
+        prefill_args += ["--order", s.prefill_order]
+    if s.prefill_max_overtaken_s is not None:
+        prefill_args += ["--max-overtaken-seconds", f"{s.prefill_max_overtaken_s:g}"]
+    if s.prefill_nice is not None:
+        prefill_args += ["--nice", str(s.prefill_nice)]
+    return router_args, prefill_args
+
+
+def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
     common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
-                  compiled_root=s.compiled_root, quantize=s.quantize, decode_args=decode_args,
+                  compiled_root=s.compiled_root, quantize=s.quantize, decode_args=_decode_args(s),
                   context_buckets=s.context_buckets,
                   startup_timeout_seconds=s.startup_timeout_s)
     router = {"router": list(s.router_cpus)} if s.router_cpus else {}
@@ -96,21 +120,9 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
     if name == "disaggregated":
         cpus = {"prefill0": s.cpus[:1], "decode0": s.cpus[-1:]} if len(s.cpus) >= 2 else {}
         cpus.update(router)
-        router_args = list(niced)
-        if s.local_prefill_max_tokens:
-            router_args += ["--local-prefill-max-tokens", str(s.local_prefill_max_tokens),
-                           "--local-prefill-queue-tokens", str(s.local_prefill_queue_tokens)]
-        if s.local_prefill_always_tokens:
-            router_args += ["--local-prefill-always-tokens", str(s.local_prefill_always_tokens)]
-        prefill_args = []
-        if s.prefill_order is not None:
-            prefill_args += ["--order", s.prefill_order]
-        if s.prefill_max_overtaken_s is not None:
-            prefill_args += ["--max-overtaken-seconds", f"{s.prefill_max_overtaken_s:g}"]
-        if s.prefill_nice is not None:
-            prefill_args += ["--nice", str(s.prefill_nice)]
+        router_args, prefill_args = _disaggregated_args(s)
         return LaunchSpec(prefill_workers=1, decode_workers=1, threads=1, cpus=cpus,
-                          router_args=router_args, prefill_args=prefill_args, **common)
+                          router_args=niced + router_args, prefill_args=prefill_args, **common)
     if name == "aggregated":
         return LaunchSpec(prefill_workers=0, decode_workers=1, threads=max(1, len(s.cpus)),
                           cpus={"decode0": list(s.cpus), **router} if s.cpus else router,
