@@ -7,7 +7,7 @@ over --over-ms between two tokens of a stream is put down to
   the two steps' ends were that far apart;
 - slow step: no pause, the steps' ends that far apart;
 - delivery: the steps' ends were not that far apart, the tokens reached the client later;
-- steps between N: the tokens lined up with steps N apart (not one), so neither of the above.
+- unmatched: a token far from the step it would come from (long_gaps).
 
 The client's clock (perf_counter from the run's start) is put on the wall clock by the router's
 request lines (logged as a request ends, ms resolution), then shifted so that tokens sit on
@@ -30,6 +30,7 @@ from pathlib import Path
 
 STEP = re.compile(r"step end=([\d.]+) seconds=([\d.]+) rows=(\d+) calls=(\d+) "
                   r"paused=([\d.]+) local=(\d+)")
+UNMATCHED_S = 0.05  # a token this far from the end of the step it is put on: not matched
 REQUEST = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .*router\.requests: .* "
                      r"prompt=(\d+) cached=\d+ output=(\d+) ")
 
@@ -75,43 +76,46 @@ def nearest(ends: list[float], t: float) -> float:
     return min((ends[j] for j in (i - 1, i) if 0 <= j < len(ends)), key=lambda e: abs(t - e))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("run", type=Path, help="the compare run's --out-dir")
-    p.add_argument("--over-ms", type=float, default=21.3, help="a long gap: over this")
-    p.add_argument("--slow-ms", type=float, default=17.0, help="a slow step of 1-2 rows")
-    p.add_argument("--list", type=int, default=0, help="print the first N long gaps")
-    args = p.parse_args(argv)
-    over, slow_s = args.over_ms / 1e3, args.slow_ms / 1e3
-    records, steps, router_ends = load(args.run)
+def long_gaps(records, steps, offset: float, over: float) -> tuple[int, list[tuple]]:
+    """How many gaps there are, and each gap over ``over`` seconds as (its end on the client's
+    clock, the gap, how far apart the ends of the steps that made its two tokens were, the
+    later step's seconds, its pause, rows and local prompts waiting, the cause).
+
+    A running stream gets a token from every step, so its tokens are put on consecutive steps:
+    from the offset between token and step numbers most of its tokens agree on (a token late by
+    more than half a step is nearest the next step's end, and would be put down to it alone).
+    A token more than UNMATCHED_S from its step's end (the stream preempted, say) is
+    "unmatched"."""
     ends = [s[0] for s in steps]
     index = {e: i for i, e in enumerate(ends)}
-    offset = clock_offset(records, ends, router_ends)
-    causes, listed, total = Counter(), [], 0
+    found, total = [], 0
     for r in records:
         times = [t + offset for t in r["token_times"]]
-        for a, b in zip(times, times[1:]):
+        if len(times) < 2:
+            continue
+        shift = Counter(index[nearest(ends, t)] - k for k, t in enumerate(times)
+                        if k).most_common(1)[0][0]
+        for k in range(1, len(times)):
             total += 1
+            a, b = times[k - 1], times[k]
             if b - a <= over:
                 continue
-            i0, i1 = index[nearest(ends, a)], index[nearest(ends, b)]
+            i0, i1 = max(shift + k - 1, 0), min(shift + k, len(ends) - 1)
             _, seconds, rows, _, paused, local = steps[i1]
             apart = ends[i1] - ends[i0]
-            if i1 - i0 != 1:
-                cause = f"steps between {i1 - i0}"
+            if abs(b - ends[i1]) > UNMATCHED_S or i1 == i0:
+                cause = "unmatched"
             elif apart <= over:
                 cause = "delivery"
             else:
                 cause = "paced" if paused > 0.001 else "slow step"
-            causes[cause] += 1
-            listed.append((b - offset, b - a, apart, seconds, paused, int(rows), int(local), cause))
-    long_gaps = sum(causes.values())
-    print(f"{total} gaps, {long_gaps} over {args.over_ms} ms ({long_gaps / max(total, 1):.2%}): "
-          + ", ".join(f"{c} {n}" for c, n in causes.most_common()))
-    for t, gap, apart, seconds, paused, rows, local, cause in listed[:args.list]:
-        print(f"  {t:8.2f} s gap {gap * 1e3:5.1f} ms, step ends {apart * 1e3:5.1f} apart, step "
-              f"{seconds * 1e3:5.1f} ms, paused {paused * 1e3:4.1f}, rows {rows}, local {local}: "
-              f"{cause}")
+            found.append((b - offset, b - a, apart, seconds, paused, int(rows), int(local), cause))
+    return total, found
+
+
+def print_steps(records, steps, offset: float, slow_ms: float) -> None:
+    """Step times by rows, and the slow 1-2-row steps that came while a request waited for its
+    first token."""
     by_rows: dict[int, list[float]] = {}
     for s in steps:
         by_rows.setdefault(int(s[2]), []).append(s[1])
@@ -122,12 +126,32 @@ def main(argv=None) -> int:
     waiting = [(r["due_s"] + offset, r["token_times"][0] + offset)
                for r in records if r["token_times"]]
     small = [s for s in steps if s[2] <= 2]
-    slow = [s for s in small if s[1] > slow_s]
+    slow = [s for s in small if s[1] > slow_ms / 1e3]
     during = [s for s in slow if any(a <= s[0] <= b for a, b in waiting)]
     share = sum(any(a <= s[0] <= b for a, b in waiting) for s in small) / max(len(small), 1)
-    print(f"steps of 1-2 rows over {args.slow_ms} ms: {len(slow)} of {len(small)}; "
+    print(f"steps of 1-2 rows over {slow_ms} ms: {len(slow)} of {len(small)}; "
           f"{len(during)} while a request waited for its first token ({share:.0%} of all such "
           f"steps were)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("run", type=Path, help="the compare run's --out-dir")
+    p.add_argument("--over-ms", type=float, default=21.3, help="a long gap: over this")
+    p.add_argument("--slow-ms", type=float, default=17.0, help="a slow step of 1-2 rows")
+    p.add_argument("--list", type=int, default=0, help="print the first N long gaps")
+    args = p.parse_args(argv)
+    records, steps, router_ends = load(args.run)
+    offset = clock_offset(records, [s[0] for s in steps], router_ends)
+    total, found = long_gaps(records, steps, offset, args.over_ms / 1e3)
+    causes = Counter(g[-1] for g in found)
+    print(f"{total} gaps, {len(found)} over {args.over_ms} ms ({len(found) / max(total, 1):.2%}): "
+          + ", ".join(f"{c} {n}" for c, n in causes.most_common()))
+    for t, gap, apart, seconds, paused, rows, local, cause in found[:args.list]:
+        print(f"  {t:8.2f} s gap {gap * 1e3:5.1f} ms, step ends {apart * 1e3:5.1f} apart, step "
+              f"{seconds * 1e3:5.1f} ms, paused {paused * 1e3:4.1f}, rows {rows}, local {local}: "
+              f"{cause}")
+    print_steps(records, steps, offset, args.slow_ms)
     return 0
 
 
