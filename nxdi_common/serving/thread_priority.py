@@ -8,6 +8,7 @@ thread's 1024: with the compute thread runnable, such a thread gets well under 1
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -37,3 +38,16 @@ def set_thread_priority(nice: int | str) -> None:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
     else:
         os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+def set_process_priority(nice: int) -> None:
+    """Gives every thread of this process nice ``nice``, so that the threads it starts
+    afterwards inherit it too (a nice value is per thread on Linux; the threads imports have
+    started already are set one by one). PermissionError where it would raise one."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [threading.get_native_id()]  # no /proc: the calling thread, which later ones inherit
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.setpriority(os.PRIO_PROCESS, tid, nice)

@@ -20,7 +20,7 @@ from pathlib import Path
 from nxdi_common.bucketing import (parse_buckets, prefill_buckets, quartered_buckets,
                                    validate_buckets)
 from nxdi_common.kv_transfer import ModelFingerprint
-from nxdi_common.serving.thread_priority import NICE_RANGE, check_nice
+from nxdi_common.serving.thread_priority import NICE_RANGE, check_nice, set_process_priority
 
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16")
@@ -95,27 +95,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def process_nice(text: str) -> int:
     """--nice: an integer in thread_priority.NICE_RANGE."""
     try:
-        return check_nice(int(text), "--nice", "the nice value the process started with")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc) if "must be" in str(exc) else
-                                         f"--nice must be an integer in {list(NICE_RANGE)}, "
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nice must be an integer in {list(NICE_RANGE)}, "
                                          f"got {text!r}") from None
+    try:
+        return check_nice(value, "--nice", "the nice value the process started with")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def apply_nice(nice: int | None) -> None:
-    """Give every thread of this process nice ``nice`` (None: leave them): called first thing
-    in a worker's main, so that the threads it starts afterwards inherit it (Linux keeps a nice
-    value per thread; threads the imports started are set here one by one)."""
+    """--nice, first thing in a process's main (thread_priority.set_process_priority; None:
+    leave it); SystemExit naming the option where the OS refuses it."""
     if nice is None:
         return
     try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]  # no /proc: the calling thread, which the later ones inherit from
-    try:
-        for tid in tids:
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        set_process_priority(nice)
     except PermissionError:
         raise SystemExit(f"--nice {nice}: below this process's nice "
                          f"{os.getpriority(os.PRIO_PROCESS, 0)} needs privilege") from None
