@@ -76,31 +76,38 @@ def nearest(ends: list[float], t: float) -> float:
     return min((ends[j] for j in (i - 1, i) if 0 <= j < len(ends)), key=lambda e: abs(t - e))
 
 
-def long_gaps(records, steps, offset: float, over: float) -> tuple[int, list[tuple]]:
-    """How many gaps there are, and each gap over ``over`` seconds as (its end on the client's
-    clock, the gap, how far apart the ends of the steps that made its two tokens were, the
-    later step's seconds, its pause, rows and local prompts waiting, the cause).
-
-    A running stream gets a token from every step, so its tokens are put on consecutive steps:
-    from the offset between token and step numbers most of its tokens agree on (a token late by
-    more than half a step is nearest the next step's end, and would be put down to it alone).
-    A token more than UNMATCHED_S from its step's end (the stream preempted, say) is
-    "unmatched"."""
-    ends = [s[0] for s in steps]
+def stream_steps(records, ends: list[float], offset: float):
+    """Each record's token times on the steps' clock and, per token, the index of the step it
+    came from (None for the first): a running stream gets a token from every step, so its
+    tokens are put on consecutive steps, from the offset between token and step numbers most
+    of its tokens agree on (a token late by more than half a step is nearest the next step's
+    end, and would be put down to it alone)."""
     index = {e: i for i, e in enumerate(ends)}
-    found, total = [], 0
     for r in records:
         times = [t + offset for t in r["token_times"]]
         if len(times) < 2:
             continue
         shift = Counter(index[nearest(ends, t)] - k for k, t in enumerate(times)
                         if k).most_common(1)[0][0]
+        yield r, times, [None] + [min(max(shift + k, 0), len(ends) - 1)
+                                  for k in range(1, len(times))]
+
+
+def long_gaps(records, steps, offset: float, over: float) -> tuple[int, list[tuple]]:
+    """How many gaps there are, and each gap over ``over`` seconds as (its end on the client's
+    clock, the gap, how far apart the ends of the steps that made its two tokens were, the
+    later step's seconds, its pause, rows and local prompts waiting, the cause); tokens on
+    their steps as stream_steps puts them. A token more than UNMATCHED_S from its step's end
+    (the stream preempted, say) is "unmatched"."""
+    ends = [s[0] for s in steps]
+    found, total = [], 0
+    for _, times, made_by in stream_steps(records, ends, offset):
         for k in range(1, len(times)):
             total += 1
             a, b = times[k - 1], times[k]
             if b - a <= over:
                 continue
-            i0, i1 = max(shift + k - 1, 0), min(shift + k, len(ends) - 1)
+            i0, i1 = max(made_by[k] - 1, 0), made_by[k]
             _, seconds, rows, _, paused, local = steps[i1]
             apart = ends[i1] - ends[i0]
             if abs(b - ends[i1]) > UNMATCHED_S or i1 == i0:
@@ -113,6 +120,45 @@ def long_gaps(records, steps, offset: float, over: float) -> tuple[int, list[tup
     return total, found
 
 
+def waiting_spans(records, offset: float) -> list[tuple[float, float]]:
+    """When each request waited for its first token, on the steps' clock."""
+    return [(r["due_s"] + offset, r["token_times"][0] + offset)
+            for r in records if r["token_times"]]
+
+
+def print_delivery(records, steps, offset: float) -> None:
+    """How late tokens reached the client after their steps ended, beyond the median (the clock
+    offset puts the median near 0): all of them, those of steps while some request waited for
+    its first token (the prefill worker's core busy, with the router and client on it where
+    they are pinned there), and the others."""
+    ends = [s[0] for s in steps]
+    spans = sorted(waiting_spans(records, offset))
+    starts = [a for a, _ in spans]
+    longest = max((b - a for a, b in spans), default=0.0)
+
+    def waiting(t: float) -> bool:
+        i = bisect.bisect_right(starts, t)
+        j = bisect.bisect_left(starts, t - longest)
+        return any(b >= t for _, b in spans[j:i])
+
+    late: dict[str, list[float]] = {"all": [], "waiting": [], "not waiting": []}
+    for _, times, made_by in stream_steps(records, ends, offset):
+        for k in range(1, len(times)):
+            i = made_by[k]
+            if abs(times[k] - ends[i]) <= UNMATCHED_S:
+                x = times[k] - ends[i]
+                late["all"].append(x)
+                late["waiting" if waiting(ends[i]) else "not waiting"].append(x)
+    median = statistics.median(late["all"]) if late["all"] else 0.0
+    for name, xs in late.items():
+        if len(xs) < 2:
+            continue
+        q = statistics.quantiles([x - median for x in xs], n=100)
+        over = sum(x - median > 0.002 for x in xs) / len(xs)
+        print(f"delivery after the step's end, {name}: {len(xs)} tokens, p90 {q[89] * 1e3:+.1f} "
+              f"ms, p99 {q[98] * 1e3:+.1f} (from the median); over 2 ms late {over:.1%}")
+
+
 def print_steps(records, steps, offset: float, slow_ms: float) -> None:
     """Step times by rows, and the slow 1-2-row steps that came while a request waited for its
     first token."""
@@ -123,8 +169,7 @@ def print_steps(records, steps, offset: float, slow_ms: float) -> None:
         q = statistics.quantiles(seconds, n=100) if len(seconds) > 1 else seconds * 99
         print(f"steps of {rows} rows: {len(seconds)}, p50 {q[49] * 1e3:.1f} ms, p90 "
               f"{q[89] * 1e3:.1f}, p99 {q[98] * 1e3:.1f}")
-    waiting = [(r["due_s"] + offset, r["token_times"][0] + offset)
-               for r in records if r["token_times"]]
+    waiting = waiting_spans(records, offset)
     small = [s for s in steps if s[2] <= 2]
     slow = [s for s in small if s[1] > slow_ms / 1e3]
     during = [s for s in slow if any(a <= s[0] <= b for a, b in waiting)]
@@ -152,6 +197,7 @@ def main(argv=None) -> int:
               f"{seconds * 1e3:5.1f} ms, paused {paused * 1e3:4.1f}, rows {rows}, local {local}: "
               f"{cause}")
     print_steps(records, steps, offset, args.slow_ms)
+    print_delivery(records, steps, offset)
     return 0
 
 

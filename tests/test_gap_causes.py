@@ -60,6 +60,30 @@ def test_each_long_gap_gets_the_cause_built_into_it(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "39 gaps, 3 over 21.3 ms (7.69%): " in out and "steps of 1 rows: 40" in out
     assert "steps of 1-2 rows over 17.0 ms: 1 of 40" in out
+    # the 8 ms late token is the one over 2 ms past the median (0.5 ms) of 39, all of steps
+    # while nobody waited for a first token (the request's own wait ended before step 0)
+    assert "delivery after the step's end, all: 39 tokens" in out
+    assert "over 2 ms late 2.6%" in out
+    assert "delivery after the step's end, not waiting: 39 tokens" in out
+
+
+def test_delivery_splits_tokens_by_whether_a_request_waited_for_its_first_token(tmp_path, capsys):
+    gap_causes = load_module()
+    constructed_run(tmp_path)
+    records = json.loads((tmp_path / "records.json").read_text())
+    stream = records["disaggregated"][0]
+    # a second request arrives 0.56 s into the client's clock (steps 15 and 16 end at 0.55 and
+    # 0.565 s) and waits until after the last step: steps 16-39 come while it waits
+    records["disaggregated"].append({"index": 1, "kind": "long", "prompt_tokens": 900,
+                                     "output_tokens": 1, "due_s": 0.56, "sent_s": 0.56,
+                                     "token_times": [stream["token_times"][-1] + 0.1]})
+    (tmp_path / "records.json").write_text(json.dumps(records))
+    assert gap_causes.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "delivery after the step's end, waiting: 24 tokens" in out
+    assert "delivery after the step's end, not waiting: 15 tokens" in out
+    waiting = next(line for line in out.splitlines() if ", waiting:" in line)
+    assert waiting.endswith("over 2 ms late 4.2%")  # step 30's token, 1 of 24
 
 
 def test_a_run_without_step_lines_is_refused_naming_the_flag(tmp_path):
