@@ -23,6 +23,7 @@ from nxdi_bench.client import LoadTarget
 from nxdi_common.bucketing import parse_buckets
 from nxdi_common.serving.launcher_process import parse_cpu_list
 from nxdi_common.serving.worker import process_nice as worker_nice
+from nxdi_common.serving.worker import wake_interval_ms
 from nxdi_bench.metrics import SLO
 from nxdi_bench.runs import Runner, SweepSettings
 from nxdi_bench.workloads import WORKLOADS, PromptBuilder, get_workload
@@ -133,6 +134,10 @@ def _server_args(g) -> None:
     g.add_argument("--router-nice", type=worker_nice, default=None, metavar="N",
                    help="our router's OS nice value (0-19; --nice), e.g. below the decode "
                         "worker whose core it shares (default: unchanged)")
+    g.add_argument("--router-wake-ms", type=wake_interval_ms, default=0.0, metavar="MS",
+                   help="our router's --wake-ms: its event loop woken every MS ms so that, on "
+                        "a core shared with a prefill worker, its threads run sooner than the "
+                        "kernel's next tick (default 0: off)")
     g.add_argument("--client-cpus", type=_cpu_list, default=None, metavar="CPUS",
                    help="pin this load generator to these CPU ids while it drives a "
                         "configuration (every configuration alike); default: not pinned")
@@ -348,6 +353,7 @@ def _compare_settings(args):
     if args.cpus:
         serve.cpus = [int(c) for c in args.cpus.split(",")]
     serve.router_cpus, serve.router_nice = args.router_cpus, args.router_nice
+    serve.router_wake_ms = args.router_wake_ms
     out_dir = args.out_dir or Path("results/goodput") / (
         f"{workload.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     return CompareSettings(configs=configs, workload=workload, slo=_slo(args), sweep=sweep,

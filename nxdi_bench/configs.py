@@ -45,6 +45,7 @@ class ServeSettings:
     cpus: list[int] = field(default_factory=lambda: _default_cpus())
     router_cpus: list[int] | None = None  # ours: the CPUs our router is pinned to (None: any)
     router_nice: int | None = None  # ours: our router's --nice
+    router_wake_ms: float = 0.0  # ours: our router's --wake-ms (0: off)
     decode_max_batch_size: int = 16
     kv_blocks: int = 1024
     local_prefill_max_tokens: int = 0    # disaggregated: the router's conditional disaggregation
@@ -117,6 +118,8 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
                   startup_timeout_seconds=s.startup_timeout_s)
     router = {"router": list(s.router_cpus)} if s.router_cpus else {}
     niced = ["--nice", str(s.router_nice)] if s.router_nice is not None else []
+    if s.router_wake_ms:
+        niced += ["--wake-ms", f"{s.router_wake_ms:g}"]
     if name == "disaggregated":
         cpus = {"prefill0": s.cpus[:1], "decode0": s.cpus[-1:]} if len(s.cpus) >= 2 else {}
         cpus.update(router)

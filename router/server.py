@@ -23,7 +23,7 @@ from nxdi_common.serving.grpc_server import (GrpcServer, freeze_startup_heap, in
                                               print_ready)
 from nxdi_common.serving.metrics import ServingMetrics
 from nxdi_common.serving.worker import (add_model_args, apply_nice, model_options_from_args,
-                                        process_nice)
+                                        process_nice, wake_interval_ms)
 from router import convert
 from router.admission import AdmissionQueue
 from router.auth import ApiKeys, GrpcAuth, HttpAuth, keys_from
@@ -227,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nice", type=process_nice, default=None, metavar="N",
                    help="OS nice value (0-19) of the router, every thread of it: e.g. below a "
                         "decode worker whose core it shares (default: unchanged)")
+    p.add_argument("--wake-ms", type=wake_interval_ms, default=0.0, metavar="MS",
+                   help="wake the router's event loop every MS milliseconds (0, the default: "
+                        "never). Where the router shares a core with a CPU-bound worker, a "
+                        "router thread woken for a token may wait for the kernel's next tick "
+                        "(4 ms at HZ=250) before it runs; a timer this often lets the scheduler "
+                        "switch to it sooner, for 1000/MS more wake-ups a second (on the Zen 4 "
+                        "VM, 1 ms: tokens over 2 ms late while a prompt waited 25-28%% -> 12%%)")
     p.add_argument("--no-request-log", action="store_true",
                    help="no line per finished request on the router.requests logger (id, "
                         "outcome, worker, token counts, finish reason, TTFT, latency; never text)")
@@ -294,6 +301,15 @@ def add_local_prefill_args(g) -> None:
                         "worker, busy or not (longer ones as the two options above say)")
 
 
+async def wake_every(seconds: float, counter: list[int] | None = None) -> None:
+    """Wake the running loop every ``seconds`` until cancelled (--wake-ms); ``counter[0]``
+    counts the wake-ups (tests)."""
+    while True:
+        await asyncio.sleep(seconds)
+        if counter is not None:
+            counter[0] += 1
+
+
 def settings_from_args(args) -> RouterSettings:
     return RouterSettings(args.host, args.http_port, args.grpc_port, tuple(args.prefill),
                           tuple(args.decode), tuple(args.prefill_dns), tuple(args.decode_dns),
@@ -318,8 +334,9 @@ async def serve(args) -> None:
     print_ready("router", grpc=router.grpc_address, http=router.http_address)
     waiters = [asyncio.ensure_future(stopped.wait()),
                asyncio.ensure_future(router.wait_http_stopped())]
+    waker = asyncio.ensure_future(wake_every(args.wake_ms / 1000)) if args.wake_ms else None
     _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
+    for task in [*pending, *([waker] if waker is not None else [])]:
         task.cancel()
     await router.stop()
 

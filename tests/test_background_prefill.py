@@ -413,8 +413,12 @@ def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(
     router = spawn_module("router", "--model", tiny_chat_model, "--max-model-len", 512,
                           "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
                           "--decode", decode.grpc, "--prefill", prefill.grpc,
-                          "--local-prefill-always-tokens", 256, "--nice", 2)
+                          "--local-prefill-always-tokens", 256, "--nice", 2, "--wake-ms", 1)
     http = router.info["http"]
+    # --wake-ms 1: the router's loop thread wakes every ms though no request comes
+    switches = loop_thread_switches(router.proc.pid)
+    time.sleep(0.5)
+    assert loop_thread_switches(router.proc.pid) - switches >= 150
     threads = thread_nices(prefill.proc.pid)  # --nice: every thread the worker started
     assert len(threads) > 2 and set(threads.values()) == {3}, threads
     assert set(thread_nices(router.proc.pid).values()) == {2}  # the router's too
@@ -435,6 +439,13 @@ def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(
     for prompt, reply in zip(prompts, replies):
         assert reply.json()["choices"][0]["text"] == tokenizer.decode(
             greedy(reference, prompt, 16), skip_special_tokens=True)
+
+
+def loop_thread_switches(pid: int) -> int:
+    """The voluntary context switches of a process's main thread (its asyncio loop's)."""
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f
+                    if line.startswith("voluntary_ctxt_switches:"))
 
 
 def local_prefills(service) -> float:

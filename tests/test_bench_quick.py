@@ -203,7 +203,7 @@ def test_replicated_runs_one_decode_worker_per_cpu_and_is_not_in_the_default_set
 
 def test_router_and_client_cpus_and_step_lines_reach_their_processes():
     """--router-cpus pins our router (every configuration of ours; default: not pinned) and
-    --router-nice gives it --nice,
+    --router-nice gives it --nice, --router-wake-ms its --wake-ms,
     --client-cpus the load generator's thread while it drives a configuration (its affinity
     before comes back after), --decode-log-steps gives our decode workers --log-steps; CPU
     lists this process may not use are refused by name."""
@@ -214,16 +214,16 @@ def test_router_and_client_cpus_and_step_lines_reach_their_processes():
     cpu = min(os.sched_getaffinity(0))
     settings = cli._compare_settings(cli.build_parser().parse_args(
         ["compare", "--router-cpus", str(cpu), "--client-cpus", str(cpu), "--cpus", "0,1",
-         "--decode-log-steps", "--router-nice", "7"]))
+         "--decode-log-steps", "--router-nice", "7", "--router-wake-ms", "1.5"]))
     assert settings.serve.router_cpus == [cpu] and settings.client_cpus == [cpu]
     for name in OURS:
         spec = our_launch_spec(name, settings.serve)
         assert spec.cpus["router"] == [cpu]
         assert spec.decode_args[-1] == "--log-steps"
-        assert spec.router_args[:2] == ["--nice", "7"]
+        assert spec.router_args[:4] == ["--nice", "7", "--wake-ms", "1.5"]
         plain = our_launch_spec(name, ServeSettings(cpus=[0, 1]))
         assert "router" not in plain.cpus and "--log-steps" not in plain.decode_args
-        assert "--nice" not in plain.router_args
+        assert "--nice" not in plain.router_args and "--wake-ms" not in plain.router_args
     assert our_launch_spec("disaggregated", settings.serve).cpus == {
         "prefill0": [0], "decode0": [1], "router": [cpu]}
     before = os.sched_getaffinity(0)
@@ -239,5 +239,8 @@ def test_router_and_client_cpus_and_step_lines_reach_their_processes():
     for bad in ("20", "-1", "x"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["compare", "--router-nice", bad])
+    for bad in ("0.05", "-1", "x", "nan", "2000"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["compare", "--router-wake-ms", bad])
     with pytest.raises(argparse.ArgumentTypeError, match=r"CPUs \[\d+\] are not available"):
         cli._cpu_list(str(max(before) + 1000))

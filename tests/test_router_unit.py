@@ -5,6 +5,7 @@ OpenAI response shapes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -1015,3 +1016,36 @@ def test_router_command_line_takes_a_nice_value(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--nice", bad])
         assert "--nice must be an integer in [0, 19]" in capsys.readouterr().err
+
+
+def test_router_command_line_takes_a_wake_interval(capsys):
+    """--wake-ms MS wakes the router's event loop every MS ms (wake_every; a spawned router
+    with it: test_background_prefill); 0 (off) by default, and values outside [0.1, 1000] or
+    not numbers refused naming the option."""
+    from router.server import build_parser
+    assert build_parser().parse_args([]).wake_ms == 0
+    assert build_parser().parse_args(["--wake-ms", "1"]).wake_ms == 1.0
+    assert build_parser().parse_args(["--wake-ms", "0"]).wake_ms == 0
+    for bad in ("0.05", "-1", "1001", "x", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--wake-ms", bad])
+        assert "--wake-ms must be 0 (off) or milliseconds in [0.1, 1000]" in \
+            capsys.readouterr().err
+
+
+def test_wake_every_wakes_the_loop_at_its_interval_until_cancelled():
+    from router.server import wake_every
+
+    async def run() -> int:
+        counter = [0]
+        task = asyncio.ensure_future(wake_every(0.002, counter))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        woken = counter[0]
+        await asyncio.sleep(0.02)
+        assert counter[0] == woken  # cancelled: no more wake-ups
+        return woken
+
+    assert 10 <= asyncio.run(run()) <= 50  # every 2 ms for 0.1 s (timers may run late)

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -90,6 +91,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "e.g. a prefill worker sharing its core with the router below it, so "
                         "that the router's token deliveries do not wait behind a prefill "
                         "(default: unchanged)")
+
+
+WAKE_MS_RANGE = (0.1, 1000.0)  # 0: off
+
+
+def wake_interval_ms(text: str) -> float:
+    """The router's --wake-ms (router.server.wake_every): 0 (off) or milliseconds in
+    WAKE_MS_RANGE."""
+    low, high = WAKE_MS_RANGE
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if value == 0 or low <= value <= high:
+        return value
+    raise argparse.ArgumentTypeError(f"--wake-ms must be 0 (off) or milliseconds in [{low:g}, "
+                                     f"{high:g}], got {text!r}")
 
 
 def process_nice(text: str) -> int:
