@@ -44,7 +44,10 @@ def wall(stamp: str) -> float:
 def load(run: Path) -> tuple[list[dict], list[tuple], dict]:
     """The disaggregated records, the step lines (end, seconds, rows, calls, paused, local)
     and the router's end times by (prompt tokens, output tokens)."""
-    records = json.loads((run / "records.json").read_text())["disaggregated"]
+    records = json.loads((run / "records.json").read_text()).get("disaggregated")
+    if records is None:
+        raise SystemExit(f"{run}: records.json has no disaggregated run (the configuration did "
+                         f"not run at --cdf-rate, or was not among --configs)")
     steps, ends = [], {}
     for line in (run / "logs" / "disaggregated.log").read_text().splitlines():
         if m := STEP.search(line):

@@ -9,6 +9,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = datetime.datetime(2026, 12, 6, 12, 0, 0, tzinfo=datetime.timezone.utc).timestamp()
 
@@ -98,3 +100,11 @@ def test_a_run_without_step_lines_is_refused_naming_the_flag(tmp_path):
         assert "--decode-log-steps" in str(exc)
     else:
         raise AssertionError("no error for a run without step lines")
+
+
+def test_a_run_without_disaggregated_records_is_refused_naming_why(tmp_path):
+    gap_causes = load_module()
+    constructed_run(tmp_path)
+    (tmp_path / "records.json").write_text(json.dumps({"aggregated": []}))
+    with pytest.raises(SystemExit, match="records.json has no disaggregated run"):
+        gap_causes.main([str(tmp_path)])
