@@ -224,19 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the model writes tool calls: auto (default) takes the chat "
                         "template's (llama3_json for Llama 3.1-3.3's JSON calls, else hermes: "
                         "<tool_call> tags, also what the router's own tool prompt teaches)")
-    p.add_argument("--nice", type=process_nice, default=None, metavar="N",
-                   help="OS nice value (0-19) of the router, every thread of it: e.g. below a "
-                        "decode worker whose core it shares (default: unchanged)")
-    p.add_argument("--wake-ms", type=wake_interval_ms, default=0.0, metavar="MS",
-                   help="wake the router's event loop every MS milliseconds (0, the default: "
-                        "never). Where the router shares a core with a CPU-bound worker, a "
-                        "router thread woken for a token may wait for the kernel's next tick "
-                        "(4 ms at HZ=250) before it runs; a timer this often lets the scheduler "
-                        "switch to it sooner, for 1000/MS more wake-ups a second (on the Zen 4 "
-                        "VM, 1 ms: tokens over 2 ms late while a prompt waited 25-28%% -> 12%%)")
-    p.add_argument("--no-request-log", action="store_true",
-                   help="no line per finished request on the router.requests logger (id, "
-                        "outcome, worker, token counts, finish reason, TTFT, latency; never text)")
+    add_process_args(p.add_argument_group("process"))
     g = p.add_argument_group("workers")
     g.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                    help="a prefill worker (repeatable)")
@@ -268,6 +256,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "preemptions")
     add_local_prefill_args(p.add_argument_group("conditional disaggregation"))
     return p
+
+
+def add_process_args(g) -> None:
+    """How the router process runs beside others: its nice value, its loop's wake-ups, its
+    request log."""
+    g.add_argument("--nice", type=process_nice, default=None, metavar="N",
+                   help="OS nice value (0-19) of the router, every thread of it: e.g. below a "
+                        "decode worker whose core it shares (default: unchanged)")
+    g.add_argument("--wake-ms", type=wake_interval_ms, default=0.0, metavar="MS",
+                   help="wake the router's event loop every MS milliseconds (0, the default: "
+                        "never). Where the router shares a core with a CPU-bound worker, a "
+                        "router thread woken for a token may wait for the kernel's next tick "
+                        "(4 ms at HZ=250) before it runs; a timer this often lets the scheduler "
+                        "switch to it sooner, for 1000/MS more wake-ups a second (on the Zen 4 "
+                        "VM, 1 ms: tokens over 2 ms late while a prompt waited 25-28%% -> 12%%)")
+    g.add_argument("--no-request-log", action="store_true",
+                   help="no line per finished request on the router.requests logger (id, "
+                        "outcome, worker, token counts, finish reason, TTFT, latency; never text)")
 
 
 def add_policy_args(g) -> None:
