@@ -123,10 +123,18 @@ def long_gaps(records, steps, offset: float, over: float) -> tuple[int, list[tup
     return total, found
 
 
-def waiting_spans(records, offset: float) -> list[tuple[float, float]]:
-    """When each request waited for its first token, on the steps' clock."""
-    return [(r["due_s"] + offset, r["token_times"][0] + offset)
-            for r in records if r["token_times"]]
+def waited_at(records, offset: float):
+    """A predicate on the steps' clock: did some request wait for its first token then?"""
+    spans = sorted((r["due_s"] + offset, r["token_times"][0] + offset)
+                   for r in records if r["token_times"])
+    starts = [a for a, _ in spans]
+    longest = max((b - a for a, b in spans), default=0.0)
+
+    def waiting(t: float) -> bool:
+        i = bisect.bisect_right(starts, t)
+        j = bisect.bisect_left(starts, t - longest)
+        return any(b >= t for _, b in spans[j:i])
+    return waiting
 
 
 def print_delivery(records, steps, offset: float) -> None:
@@ -135,15 +143,7 @@ def print_delivery(records, steps, offset: float) -> None:
     its first token (the prefill worker's core busy, with the router and client on it where
     they are pinned there), and the others."""
     ends = [s[0] for s in steps]
-    spans = sorted(waiting_spans(records, offset))
-    starts = [a for a, _ in spans]
-    longest = max((b - a for a, b in spans), default=0.0)
-
-    def waiting(t: float) -> bool:
-        i = bisect.bisect_right(starts, t)
-        j = bisect.bisect_left(starts, t - longest)
-        return any(b >= t for _, b in spans[j:i])
-
+    waiting = waited_at(records, offset)
     late: dict[str, list[float]] = {"all": [], "waiting": [], "not waiting": []}
     for _, times, made_by in stream_steps(records, ends, offset):
         for k in range(1, len(times)):
@@ -172,11 +172,11 @@ def print_steps(records, steps, offset: float, slow_ms: float) -> None:
         q = statistics.quantiles(seconds, n=100) if len(seconds) > 1 else seconds * 99
         print(f"steps of {rows} rows: {len(seconds)}, p50 {q[49] * 1e3:.1f} ms, p90 "
               f"{q[89] * 1e3:.1f}, p99 {q[98] * 1e3:.1f}")
-    waiting = waiting_spans(records, offset)
+    waiting = waited_at(records, offset)
     small = [s for s in steps if s[2] <= 2]
     slow = [s for s in small if s[1] > slow_ms / 1e3]
-    during = [s for s in slow if any(a <= s[0] <= b for a, b in waiting)]
-    share = sum(any(a <= s[0] <= b for a, b in waiting) for s in small) / max(len(small), 1)
+    during = [s for s in slow if waiting(s[0])]
+    share = sum(waiting(s[0]) for s in small) / max(len(small), 1)
     print(f"steps of 1-2 rows over {slow_ms} ms: {len(slow)} of {len(small)}; "
           f"{len(during)} while a request waited for its first token ({share:.0%} of all such "
           f"steps were)")

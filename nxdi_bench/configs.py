@@ -117,26 +117,26 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
                   context_buckets=s.context_buckets,
                   startup_timeout_seconds=s.startup_timeout_s)
     router = {"router": list(s.router_cpus)} if s.router_cpus else {}
-    niced = ["--nice", str(s.router_nice)] if s.router_nice is not None else []
+    process = ["--nice", str(s.router_nice)] if s.router_nice is not None else []
     if s.router_wake_ms:
-        niced += ["--wake-ms", f"{s.router_wake_ms:g}"]
+        process += ["--wake-ms", f"{s.router_wake_ms:g}"]
     if name == "disaggregated":
         cpus = {"prefill0": s.cpus[:1], "decode0": s.cpus[-1:]} if len(s.cpus) >= 2 else {}
         cpus.update(router)
         router_args, prefill_args = _disaggregated_args(s)
         return LaunchSpec(prefill_workers=1, decode_workers=1, threads=1, cpus=cpus,
-                          router_args=niced + router_args, prefill_args=prefill_args, **common)
+                          router_args=process + router_args, prefill_args=prefill_args, **common)
     if name == "aggregated":
         return LaunchSpec(prefill_workers=0, decode_workers=1, threads=max(1, len(s.cpus)),
                           cpus={"decode0": list(s.cpus), **router} if s.cpus else router,
-                          router_args=niced, **common)
+                          router_args=process, **common)
     if name == "replicated":
         if len(s.cpus) < 2:
             raise ValueError(f"configuration: replicated needs at least 2 CPUs (one decode "
                              f"worker each), got {s.cpus}")
         return LaunchSpec(prefill_workers=0, decode_workers=len(s.cpus), threads=1,
                           cpus={**{f"decode{i}": [c] for i, c in enumerate(s.cpus)}, **router},
-                          router_args=niced, **common)
+                          router_args=process, **common)
     raise ValueError(f"configuration: {name!r} is not one of ours ({', '.join(OURS)})")
 
 

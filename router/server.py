@@ -342,8 +342,10 @@ async def serve(args) -> None:
                asyncio.ensure_future(router.wait_http_stopped())]
     waker = asyncio.ensure_future(wake_every(args.wake_ms / 1000)) if args.wake_ms else None
     _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    for task in [*pending, *([waker] if waker is not None else [])]:
+    for task in pending:
         task.cancel()
+    if waker is not None:
+        waker.cancel()
     await router.stop()
 
 
