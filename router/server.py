@@ -262,7 +262,8 @@ def add_process_args(g) -> None:
     """How the router process runs beside others: its nice value, its loop's wake-ups, its
     request log."""
     g.add_argument("--nice", type=process_nice, default=None, metavar="N",
-                   help="OS nice value (0-19) of the router, every thread of it: e.g. below a "
+                   help="OS nice value (0-19) of the router, every thread of it (and its "
+                        "autogroup when it leads its session): e.g. below a "
                         "decode worker whose core it shares (default: unchanged)")
     g.add_argument("--wake-ms", type=wake_interval_ms, default=0.0, metavar="MS",
                    help="wake the router's event loop every MS milliseconds (0, the default: "

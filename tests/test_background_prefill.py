@@ -15,6 +15,7 @@ import hf_reference
 from decode_service import main
 from decode_service.background_prefill import StepPacer, check_nice, parse_nice
 from hf_reference import greedy
+from nxdi_common.serving.thread_priority import autogroup_nice
 from nxdi_common.serving.types import DecodeJob, SamplingOptions, StopOptions
 
 BLOCK = 16
@@ -423,6 +424,9 @@ def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(
     assert len(threads) > 2 and set(threads.values()) == {3}, threads
     assert set(thread_nices(router.proc.pid).values()) == {2}  # the router's too
     assert set(thread_nices(decode.proc.pid).values()) >= {0, 5}  # no --nice: unchanged
+    if os.path.exists("/proc/self/autogroup"):  # each in a session of its own: its group too
+        groups = [autogroup_nice(s.proc.pid) for s in (prefill, router, decode)]
+        assert groups == [3, 2, 0], groups
     prompts = [list(range(100 + 97 * i, 100 + 97 * i + 40 + 20 * i)) for i in range(4)]
 
     async def all_at_once():

@@ -4,7 +4,8 @@ import threading
 
 import pytest
 
-from nxdi_common.serving.thread_priority import IDLE, check_nice, set_thread_priority
+from nxdi_common.serving.thread_priority import (IDLE, autogroup_nice, check_nice,
+                                                 set_thread_priority)
 
 
 @pytest.mark.parametrize("nice", [None, 0, 7, 19])
@@ -50,3 +51,39 @@ def test_set_thread_priority_changes_the_calling_thread_only(nice, policy):
         assert seen["sched"] == (nice, policy)
     assert _thread_sched(threading.get_native_id()) == (os.getpriority(os.PRIO_PROCESS, 0),
                                                          os.SCHED_OTHER)
+
+
+AUTOGROUPS = os.path.exists("/proc/self/autogroup")
+_CHILD = """
+import os, sys
+from nxdi_common.serving.thread_priority import autogroup_nice, set_process_priority
+before = autogroup_nice()
+set_process_priority(int(sys.argv[1]))
+print(before, autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0))
+"""
+
+
+def _child_nices(nice: int, new_session: bool) -> list[str]:
+    """(autogroup nice before, autogroup nice after, process nice) of a child that runs
+    set_process_priority(nice), in a session of its own or in this one."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(nice)], capture_output=True,
+                         text=True, check=True, start_new_session=new_session, timeout=60)
+    return out.stdout.split()
+
+
+@pytest.mark.skipif(not AUTOGROUPS, reason="a kernel with autogroup scheduling needed")
+def test_a_session_leader_puts_its_nice_on_its_autogroup_too():
+    """With autogroups a thread's nice weighs only against its own session's threads: a
+    service in a session of its own (as the launcher starts them) sets its group's nice too."""
+    assert _child_nices(9, new_session=True) == ["0", "9", "9"]
+
+
+@pytest.mark.skipif(not AUTOGROUPS, reason="a kernel with autogroup scheduling needed")
+def test_a_process_in_someone_elses_session_leaves_that_sessions_group_alone():
+    """Not the session's leader (started from a shell or by a test runner): the group holds
+    others' processes too, so only the process's own threads change."""
+    mine = autogroup_nice()
+    assert _child_nices(11, new_session=False) == [str(mine), str(mine), "11"]
+    assert autogroup_nice() == mine

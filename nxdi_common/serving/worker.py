@@ -87,10 +87,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--nice", type=process_nice, default=None, metavar="N",
-                   help="OS nice value (0-19) of this worker, every thread it starts included: "
-                        "e.g. a prefill worker sharing its core with the router below it, so "
-                        "that the router's token deliveries do not wait behind a prefill "
-                        "(default: unchanged)")
+                   help="OS nice value (0-19) of this worker, every thread it starts included "
+                        "and, when it leads its session (as the launcher starts it), its "
+                        "autogroup: e.g. a prefill worker sharing its core with the router "
+                        "below it, so that the router's token deliveries do not wait behind a "
+                        "prefill (default: unchanged)")
 
 
 WAKE_MS_RANGE = (0.1, 1000.0)  # 0: off
