@@ -87,3 +87,30 @@ def test_a_process_in_someone_elses_session_leaves_that_sessions_group_alone():
     mine = autogroup_nice()
     assert _child_nices(11, new_session=False) == [str(mine), str(mine), "11"]
     assert autogroup_nice() == mine
+
+
+def test_autogroup_writes_refused_for_now_are_retried_and_other_errors_raised(monkeypatch,
+                                                                               tmp_path):
+    """The kernel takes an unprivileged autogroup nice at most once per 100 ms system-wide
+    (EAGAIN): services started together retry; any other refusal is raised."""
+    import errno
+
+    from nxdi_common.serving import thread_priority
+    target = tmp_path / "autogroup"
+    target.write_text("/autogroup-1 nice 0\n")
+    refusals = [errno.EAGAIN, errno.EAGAIN, errno.EAGAIN]
+
+    def fake_open(path, mode="r"):
+        if refusals:
+            raise OSError(refusals.pop(0), "refused")
+        return open(path, mode)
+
+    monkeypatch.setattr(os, "getsid", lambda pid: os.getpid())  # as if the session's leader
+    monkeypatch.setattr(thread_priority, "open", fake_open, raising=False)
+    assert thread_priority.set_autogroup_nice(5, str(target)) is True
+    assert target.read_text() == "5" and not refusals
+    refusals.append(errno.EACCES)
+    with pytest.raises(PermissionError):
+        thread_priority.set_autogroup_nice(6, str(target))
+    assert target.read_text() == "5"
+    assert thread_priority.set_autogroup_nice(7, str(tmp_path / "missing")) is False
