@@ -20,6 +20,7 @@ from pathlib import Path
 from decode_service.background_prefill import parse_nice
 from nxdi_bench.arrivals import ARRIVAL_KINDS
 from nxdi_bench.client import LoadTarget
+from nxdi_bench.configs import AGGREGATED_LOCAL_PREFILL
 from nxdi_common.bucketing import parse_buckets
 from nxdi_common.serving.launcher_process import parse_cpu_list
 from nxdi_common.serving.worker import process_nice as worker_nice
@@ -220,6 +221,13 @@ def _local_prefill_args(g) -> None:
                    help="with --decode-ttft-target and --decode-local-prefill-nice: the paced "
                         "gap grows to at most X times --decode-itl-target (1: never past it; "
                         "default: the worker's, 1.5)")
+    g.add_argument("--aggregated-local-prefill", choices=AGGREGATED_LOCAL_PREFILL,
+                   default="inline",
+                   help="the aggregated worker's prefills: 'inline' (default), pieces between "
+                        "its steps on all its threads, without --decode-local-prefill-nice, "
+                        "--decode-itl-target, --decode-ttft-target and --decode-pace-stretch "
+                        "(they hold a worker that prefills every prompt to one thread in the "
+                        "gaps); 'same': the --decode-* options of the disaggregated decode worker")
 
 
 def _slo(args) -> SLO:
@@ -349,7 +357,8 @@ def _compare_settings(args):
                           decode_log_steps=args.decode_log_steps,
                           prefill_order=args.prefill_order,
                           prefill_max_overtaken_s=args.prefill_max_overtaken,
-                          prefill_nice=args.prefill_nice)
+                          prefill_nice=args.prefill_nice,
+                          aggregated_local_prefill=args.aggregated_local_prefill)
     if args.cpus:
         serve.cpus = [int(c) for c in args.cpus.split(",")]
     serve.router_cpus, serve.router_nice = args.router_cpus, args.router_nice

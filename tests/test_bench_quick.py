@@ -188,6 +188,34 @@ def test_prefill_order_flags_reach_only_the_disaggregated_prefill_worker():
         assert "--hold-first-token" not in our_launch_spec(name, ServeSettings()).decode_args
 
 
+def test_aggregated_inline_local_prefill_drops_only_the_idle_thread_and_its_pacing():
+    """--aggregated-local-prefill inline (the default): the aggregated worker prefills in pieces
+    between its steps (no --local-prefill-nice, --itl-target-ms, --ttft-target-ms,
+    --pace-stretch), keeping every other decode option; the disaggregated decode worker keeps
+    them all; 'same' gives both the same options; other values are refused."""
+    from nxdi_bench.configs import ServeSettings, our_launch_spec
+    flags = ["compare", "--decode-local-prefill-nice", "idle", "--decode-itl-target", "0.018",
+             "--decode-ttft-target", "3.5", "--decode-pace-stretch", "1.2",
+             "--decode-tpot-target", "0.1", "--decode-hold-first-token", "--kv-blocks", "2048"]
+    paced = ["--itl-target-ms", "18", "--ttft-target-ms", "3500", "--local-prefill-nice", "idle",
+             "--pace-stretch", "1.2"]
+    same = cli._compare_settings(cli.build_parser().parse_args(
+        flags + ["--aggregated-local-prefill", "same"])).serve
+    inline = cli._compare_settings(cli.build_parser().parse_args(flags)).serve
+    assert inline.aggregated_local_prefill == "inline" == ServeSettings().aggregated_local_prefill
+    full = our_launch_spec("disaggregated", same).decode_args
+    assert all(f in full for f in paced)
+    assert our_launch_spec("aggregated", same).decode_args == full
+    assert our_launch_spec("disaggregated", inline).decode_args == full
+    assert our_launch_spec("aggregated", inline).decode_args == [
+        "--max-batch-size", "16", "--kv-blocks", "2048", "--tpot-target-ms", "100",
+        "--hold-first-token"]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["compare", "--aggregated-local-prefill", "idle"])
+    with pytest.raises(ValueError, match="aggregated_local_prefill must be one of same, inline"):
+        our_launch_spec("aggregated", ServeSettings(aggregated_local_prefill="x"))
+
+
 def test_replicated_runs_one_decode_worker_per_cpu_and_is_not_in_the_default_set():
     from nxdi_bench.configs import CONFIGS, DEFAULT_CONFIGS, ServeSettings, our_launch_spec
     spec = our_launch_spec("replicated", ServeSettings(cpus=[2, 5], decode_tpot_target_s=0.1))
