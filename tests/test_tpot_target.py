@@ -354,10 +354,15 @@ def test_the_benchmark_passes_the_itl_target_to_our_decode_workers():
                                           "--decode-ttft-target", "4"])
     assert (args.decode_itl_target, args.decode_ttft_target) == (0.03, 4)
     serve = ServeSettings(decode_itl_target_s=0.03, decode_ttft_target_s=4)
-    for name in ("disaggregated", "aggregated"):
-        assert our_launch_spec(name, serve).decode_args[-4:] == [
+    same = ServeSettings(decode_itl_target_s=0.03, decode_ttft_target_s=4,
+                         aggregated_local_prefill="same")
+    # the aggregated worker takes them only with --aggregated-local-prefill same (its default,
+    # inline, prefills in --prefill-chunk-tokens pieces: test_bench_quick)
+    for name, settings in (("disaggregated", serve), ("aggregated", same)):
+        assert our_launch_spec(name, settings).decode_args[-4:] == [
             "--itl-target-ms", "30", "--ttft-target-ms", "4000"]
         assert "--itl-target-ms" not in our_launch_spec(name, ServeSettings()).decode_args
+    assert "--itl-target-ms" not in our_launch_spec("aggregated", serve).decode_args
     args = cli.build_parser().parse_args(["compare", "--decode-pace-stretch", "1.2"])
     assert args.decode_pace_stretch == 1.2
     assert our_launch_spec("disaggregated", ServeSettings(decode_pace_stretch=1.2)).decode_args[
