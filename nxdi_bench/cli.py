@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cdf-rate", type=float, help="rate whose runs the CDF plots show "
                    "(default: the highest rate every configuration ran)")
     _server_args(p.add_argument_group("servers"))
-    _local_prefill_args(p.add_argument_group("local prefill (ours)"))
+    local = p.add_argument_group("local prefill (ours)")
+    _local_prefill_args(local)
+    _aggregated_args(local)
     return parser
 
 
@@ -221,13 +223,18 @@ def _local_prefill_args(g) -> None:
                    help="with --decode-ttft-target and --decode-local-prefill-nice: the paced "
                         "gap grows to at most X times --decode-itl-target (1: never past it; "
                         "default: the worker's, 1.5)")
+
+
+def _aggregated_args(g) -> None:
+    """compare: how our configurations without a prefill worker prefill."""
     g.add_argument("--aggregated-local-prefill", choices=AGGREGATED_LOCAL_PREFILL,
                    default="inline",
-                   help="the aggregated worker's prefills: 'inline' (default), pieces between "
-                        "its steps on all its threads, without --decode-local-prefill-nice, "
-                        "--decode-itl-target, --decode-ttft-target and --decode-pace-stretch "
-                        "(they hold a worker that prefills every prompt to one thread in the "
-                        "gaps); 'same': the --decode-* options of the disaggregated decode worker")
+                   help="the aggregated (and replicated) workers' prefills: 'inline' (default), "
+                        "pieces between their steps on all their threads, without "
+                        "--decode-local-prefill-nice, --decode-itl-target, --decode-ttft-target "
+                        "and --decode-pace-stretch (they hold a worker that prefills every "
+                        "prompt to one thread in the gaps); 'same': the --decode-* options of "
+                        "the disaggregated decode worker")
 
 
 def _slo(args) -> SLO:

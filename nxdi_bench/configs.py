@@ -62,7 +62,7 @@ class ServeSettings:
     prefill_order: str | None = None  # disaggregated: the prefill worker's --order
     prefill_max_overtaken_s: float | None = None  # ... and its --max-overtaken-seconds
     prefill_nice: int | None = None  # ... and its --nice
-    aggregated_local_prefill: str = "inline"  # or "same" --decode-* options (_aggregated_settings)
+    aggregated_local_prefill: str = "inline"  # no prefill worker: or "same" (_aggregated_settings)
     startup_timeout_s: float = 900.0
 
 
@@ -75,14 +75,15 @@ AGGREGATED_LOCAL_PREFILL = ("same", "inline")
 
 
 def _aggregated_settings(s: ServeSettings) -> ServeSettings:
-    """The settings the aggregated worker runs with. "inline" (the default): it prefills in
-    pieces between its decode steps, on all its threads, without the options that put a decode
-    worker's local prefills on a thread of their own and pace the steps around them. Those are
-    for a disaggregated decode worker's occasional local prompt; a worker that prefills every
-    prompt is held by them to one thread in the gaps, and the comparison would be against a
-    handicapped aggregated configuration (Zen 4, session 68: 0.156 req/s with them, 0.875
-    inline; Intel with AMX, session 55: 0.438 and 1.5; BENCHMARKS.md issue 4). "same": the
-    --decode-* options as given, as every run before session 68 had it."""
+    """The settings of decode workers that prefill every prompt (the aggregated and replicated
+    configurations: no prefill worker). "inline" (the default): they prefill in pieces between
+    their decode steps, on all their threads, without the options that put a decode worker's
+    local prefills on a thread of their own and pace the steps around them. Those are for a
+    disaggregated decode worker's occasional local prompt; a worker that prefills every prompt
+    is held by them to one thread in the gaps, and the comparison would be against a
+    handicapped configuration (aggregated on the Zen 4, session 68: 0.156 req/s with them,
+    0.875 inline; Intel with AMX, session 55: 0.438 and 1.5; BENCHMARKS.md issue 4). "same":
+    the --decode-* options as given, as every run before session 68 had it."""
     if s.aggregated_local_prefill not in AGGREGATED_LOCAL_PREFILL:
         raise ValueError(f"aggregated_local_prefill must be one of "
                          f"{', '.join(AGGREGATED_LOCAL_PREFILL)}, got {s.aggregated_local_prefill!r}")
@@ -135,7 +136,8 @@ def _disaggregated_args(s: ServeSettings) -> tuple[list[str], list[str]]:
 
 def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
     common = dict(model=s.model, dtype=s.dtype, backend=s.backend, max_model_len=s.max_model_len,
-                  compiled_root=s.compiled_root, quantize=s.quantize, decode_args=_decode_args(s),
+                  compiled_root=s.compiled_root, quantize=s.quantize,
+                  decode_args=_decode_args(s if name == "disaggregated" else _aggregated_settings(s)),
                   context_buckets=s.context_buckets,
                   startup_timeout_seconds=s.startup_timeout_s)
     router = {"router": list(s.router_cpus)} if s.router_cpus else {}
@@ -149,7 +151,6 @@ def our_launch_spec(name: str, s: ServeSettings) -> LaunchSpec:
         return LaunchSpec(prefill_workers=1, decode_workers=1, threads=1, cpus=cpus,
                           router_args=process + router_args, prefill_args=prefill_args, **common)
     if name == "aggregated":
-        common["decode_args"] = _decode_args(_aggregated_settings(s))
         return LaunchSpec(prefill_workers=0, decode_workers=1, threads=max(1, len(s.cpus)),
                           cpus={"decode0": list(s.cpus), **router} if s.cpus else router,
                           router_args=process, **common)

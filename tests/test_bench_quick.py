@@ -189,14 +189,16 @@ def test_prefill_order_flags_reach_only_the_disaggregated_prefill_worker():
 
 
 def test_aggregated_inline_local_prefill_drops_only_the_idle_thread_and_its_pacing():
-    """--aggregated-local-prefill inline (the default): the aggregated worker prefills in pieces
-    between its steps (no --local-prefill-nice, --itl-target-ms, --ttft-target-ms,
-    --pace-stretch), keeping every other decode option; the disaggregated decode worker keeps
-    them all; 'same' gives both the same options; other values are refused."""
+    """--aggregated-local-prefill inline (the default): the aggregated (and replicated) workers
+    prefill in pieces between their steps (no --local-prefill-nice, --itl-target-ms,
+    --ttft-target-ms, --pace-stretch), keeping every other decode option; the disaggregated
+    decode worker keeps them all; 'same' gives every configuration the same options; other
+    values are refused."""
     from nxdi_bench.configs import ServeSettings, our_launch_spec
     flags = ["compare", "--decode-local-prefill-nice", "idle", "--decode-itl-target", "0.018",
              "--decode-ttft-target", "3.5", "--decode-pace-stretch", "1.2",
-             "--decode-tpot-target", "0.1", "--decode-hold-first-token", "--kv-blocks", "2048"]
+             "--decode-tpot-target", "0.1", "--decode-hold-first-token", "--kv-blocks", "2048",
+             "--cpus", "0,1"]
     paced = ["--itl-target-ms", "18", "--ttft-target-ms", "3500", "--local-prefill-nice", "idle",
              "--pace-stretch", "1.2"]
     same = cli._compare_settings(cli.build_parser().parse_args(
@@ -207,9 +209,11 @@ def test_aggregated_inline_local_prefill_drops_only_the_idle_thread_and_its_paci
     assert all(f in full for f in paced)
     assert our_launch_spec("aggregated", same).decode_args == full
     assert our_launch_spec("disaggregated", inline).decode_args == full
-    assert our_launch_spec("aggregated", inline).decode_args == [
-        "--max-batch-size", "16", "--kv-blocks", "2048", "--tpot-target-ms", "100",
-        "--hold-first-token"]
+    for name in ("aggregated", "replicated"):  # no prefill worker: they prefill every prompt
+        assert our_launch_spec(name, inline).decode_args == [
+            "--max-batch-size", "16", "--kv-blocks", "2048", "--tpot-target-ms", "100",
+            "--hold-first-token"]
+        assert our_launch_spec(name, same).decode_args == full
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["compare", "--aggregated-local-prefill", "idle"])
     with pytest.raises(ValueError, match="aggregated_local_prefill must be one of same, inline"):
