@@ -148,12 +148,15 @@ def _server_args(g) -> None:
     g.add_argument("--kv-blocks", type=int, default=1024)
     # the prefill worker's ORDERS (prefill_service.scheduler imports torch; a test keeps the two
     # equal)
-    g.add_argument("--prefill-order", choices=("arrival", "shortest"),
+    g.add_argument("--prefill-order", choices=("arrival", "shortest", "deadline"),
                    help="disaggregated: the prefill worker's --order (arrival: oldest prompt "
-                        "first; shortest: shortest first, a prompt overtaken for at most "
-                        "--prefill-max-overtaken; default: the worker's)")
+                        "first; shortest: shortest first; deadline: the oldest that can still "
+                        "be encoded within --prefill-ttft-target; a prompt overtaken for at "
+                        "most --prefill-max-overtaken; default: the worker's)")
     g.add_argument("--prefill-max-overtaken", type=float, metavar="SECONDS",
                    help="disaggregated: the prefill worker's --max-overtaken-seconds")
+    g.add_argument("--prefill-ttft-target", type=float, metavar="SECONDS",
+                   help="disaggregated: the prefill worker's --ttft-target-seconds")
     g.add_argument("--prefill-nice", type=worker_nice, metavar="N",
                    help="disaggregated: the prefill worker's --nice (0-19), below a router "
                         "pinned to its core (--router-cpus); default: unchanged")
@@ -364,6 +367,7 @@ def _compare_settings(args):
                           decode_log_steps=args.decode_log_steps,
                           prefill_order=args.prefill_order,
                           prefill_max_overtaken_s=args.prefill_max_overtaken,
+                          prefill_ttft_target_s=args.prefill_ttft_target,
                           prefill_nice=args.prefill_nice,
                           aggregated_local_prefill=args.aggregated_local_prefill)
     if args.cpus:

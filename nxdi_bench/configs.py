@@ -61,6 +61,7 @@ class ServeSettings:
     decode_log_steps: bool = False  # ours: decode workers' --log-steps (lines in the log)
     prefill_order: str | None = None  # disaggregated: the prefill worker's --order
     prefill_max_overtaken_s: float | None = None  # ... and its --max-overtaken-seconds
+    prefill_ttft_target_s: float | None = None  # ... and its --ttft-target-seconds
     prefill_nice: int | None = None  # ... and its --nice
     aggregated_local_prefill: str = "inline"  # no prefill worker: or "same" (_aggregated_settings)
     startup_timeout_s: float = 900.0
@@ -129,6 +130,8 @@ def _disaggregated_args(s: ServeSettings) -> tuple[list[str], list[str]]:
         prefill_args += ["--order", s.prefill_order]
     if s.prefill_max_overtaken_s is not None:
         prefill_args += ["--max-overtaken-seconds", f"{s.prefill_max_overtaken_s:g}"]
+    if s.prefill_ttft_target_s is not None:
+        prefill_args += ["--ttft-target-seconds", f"{s.prefill_ttft_target_s:g}"]
     if s.prefill_nice is not None:
         prefill_args += ["--nice", str(s.prefill_nice)]
     return router_args, prefill_args

@@ -8,8 +8,16 @@ length bucket and run on one dedicated worker thread, never on the event loop.
   oldest prompt has waited ``max_overtaken_s``, when its bucket goes next. Shortest first, a chat
   prompt waits behind the batch running, not behind every long prompt queued before it: a
   TTFT SLO is met by the many short prompts at the cost of a bounded delay to the few long ones
-  (BENCHMARKS.md, issue 4, session 25). All of this among the prompts of the best (lowest)
-  ``priority`` waiting: a prompt of a worse one waits until none of a better one does.
+  (BENCHMARKS.md, issue 4, session 25). ``order="deadline"``: the oldest waiting prompt that
+  can still be encoded within ``ttft_target_s`` of its arrival here, at the time this worker
+  measured for its length bucket (a moving average per padded token), goes next; when none
+  can, the oldest does, and so does a prompt that has waited ``max_overtaken_s`` (by default
+  twice the target). A
+  burst of long prompts then costs the goodput only the prompts that were late anyway, not
+  every one queued behind them: session 69's bursts of 4-5 long prompts made FIFO miss 3 of
+  them (BENCHMARKS.md, issue 4). Prompts already late wait longer: their TTFT is traded for
+  others' SLO. All of this among the prompts of the best (lowest) ``priority`` waiting: a
+  prompt of a worse one waits until none of a better one does.
 - :class:`PrefillEngine` owns the model and its worker thread. Each batch runs CTE over rows
   ``0..B-1`` of the flat KV cache, samples the first tokens, copies every request's KV out of its
   cache row into the request's own tensors and so frees the rows before the next batch; the result
@@ -31,7 +39,7 @@ from nxdi_common import bucketing
 from nxdi_common.application import CausalLMOutput
 from nxdi_common.serving.compute import run_loop
 from nxdi_common.serving.errors import Overloaded, Unavailable
-from nxdi_common.serving.rates import PrefillRate
+from nxdi_common.serving.rates import PrefillRate, moving_average
 from nxdi_common.serving.sampling import (host_logits, model_global_topk, next_uniform,
                                           request_generator, resample_on_host, sample_row,
                                           score_positions, token_logprobs)
@@ -111,15 +119,35 @@ class LoadReport:
     kv_block_size: int = 0
 
 
-ORDERS = ("arrival", "shortest")
+ORDERS = ("arrival", "shortest", "deadline")
+DEFAULT_TTFT_TARGET_S = 3.5  # order "deadline": encoded within this of arrival
 
 
-def check_order(order: str, max_overtaken_s: float) -> None:
-    """ValueError naming the field unless ``order`` is one of ORDERS and the bound >= 0."""
+def max_overtaken_or_default(order: str, max_overtaken_s: float | None,
+                             ttft_target_s: float) -> float:
+    """The bound as given, or by default 1 s (order "shortest") or twice the TTFT target
+    ("deadline": a prompt already late waits at most that long)."""
+    if max_overtaken_s is not None:
+        return max_overtaken_s
+    return 2 * ttft_target_s if order == "deadline" else 1.0
+
+
+def check_order(order: str, max_overtaken_s: float | None,
+                ttft_target_s: float = DEFAULT_TTFT_TARGET_S) -> None:
+    """ValueError naming the field unless ``order`` is one of ORDERS, the bound >= 0 (or None:
+    the order's default) and the target > 0 seconds."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
-    if not max_overtaken_s >= 0:
+    if max_overtaken_s is not None and not max_overtaken_s >= 0:
         raise ValueError(f"max_overtaken_s must be >= 0 seconds, got {max_overtaken_s}")
+    if not ttft_target_s > 0:
+        raise ValueError(f"ttft_target_s must be > 0 seconds, got {ttft_target_s}")
+
+
+def _padded_work(task: PrefillTask) -> int:
+    """The tokens ``task``'s encoding computes: its length bucket (the model pads a prompt to
+    it), or the uncached rest where the prefix cache holds its start."""
+    return task.tokens_to_compute if task.cached_tokens else task.bucket
 
 
 class PrefillScheduler:
@@ -127,15 +155,22 @@ class PrefillScheduler:
 
     def __init__(self, length_buckets: list[int], ctx_batch_size: int, max_queued: int,
                  batch_limits: dict[int, int] | None = None, order: str = "arrival",
-                 max_overtaken_s: float = 1.0, clock: Callable[[], int] = time.perf_counter_ns):
+                 max_overtaken_s: float | None = None,
+                 clock: Callable[[], int] = time.perf_counter_ns,
+                 ttft_target_s: float = DEFAULT_TTFT_TARGET_S):
         """batch_limits: the most prompts a batch of each length bucket may hold (the model's
         largest batch bucket of that length); ctx_batch_size where absent. clock: nanoseconds,
-        the clock of PrefillTask.arrival_ns."""
+        the clock of PrefillTask.arrival_ns. ttft_target_s: order "deadline"'s target;
+        max_overtaken_s None: the order's default (max_overtaken_or_default)."""
         if ctx_batch_size < 1 or max_queued < 1:
             raise ValueError(f"ctx_batch_size ({ctx_batch_size}) and max_queued_requests "
                              f"({max_queued}) must be at least 1")
-        check_order(order, max_overtaken_s)
-        self.order, self.max_overtaken_ns = order, int(max_overtaken_s * 1e9)
+        check_order(order, max_overtaken_s, ttft_target_s)
+        self.order = order
+        self.max_overtaken_ns = int(max_overtaken_or_default(order, max_overtaken_s,
+                                                             ttft_target_s) * 1e9)
+        self.ttft_target_ns = int(ttft_target_s * 1e9)
+        self.ns_per_token: dict[int, float] = {}  # measured, by length bucket (observe)
         self.clock = clock
         self.length_buckets = list(length_buckets)
         self.ctx_batch_size, self.max_queued = ctx_batch_size, max_queued
@@ -167,13 +202,37 @@ class PrefillScheduler:
         best = min(t.job.priority for t in self.waiting)
         waiting = [t for t in self.waiting if t.job.priority == best]
         oldest = waiting[0]
+        now = self.clock()
+        overtaken = now - oldest.arrival_ns < self.max_overtaken_ns
         bucket = oldest.bucket
-        if self.order == "shortest" and self.clock() - oldest.arrival_ns < self.max_overtaken_ns:
+        if self.order == "shortest" and overtaken:
             bucket = min(t.bucket for t in waiting)
+        elif self.order == "deadline" and overtaken:
+            lead = next((t for t in waiting if self.in_time(t, now)), oldest)
+            bucket = lead.bucket
+            waiting = [lead] + [t for t in waiting if t is not lead]
         batch = [t for t in waiting if t.bucket == bucket][:self.batch_limits[bucket]]
         for task in batch:
             self.waiting.remove(task)
         return batch
+
+    def in_time(self, task: PrefillTask, now_ns: int) -> bool:
+        """Whether ``task``, started at ``now_ns``, would be encoded within the TTFT target of
+        its arrival, at the time per token measured for its bucket (or the nearest bucket
+        measured; in time while nothing has been measured)."""
+        if not self.ns_per_token:
+            return True
+        measured = min(self.ns_per_token, key=lambda n: abs(n - task.bucket))
+        ns = _padded_work(task) * self.ns_per_token[measured]
+        return now_ns + ns <= task.arrival_ns + self.ttft_target_ns
+
+    def observe(self, batch: list[PrefillTask], seconds: float) -> None:
+        """Note a batch's time (the engine, after each batch): order "deadline"'s estimate."""
+        tokens = sum(_padded_work(t) for t in batch)
+        if batch and tokens > 0 and seconds > 0:
+            bucket = batch[0].bucket
+            self.ns_per_token[bucket] = moving_average(self.ns_per_token.get(bucket),
+                                                       seconds * 1e9 / tokens, 0.5)
 
     @property
     def queued_prompt_tokens(self) -> int:
@@ -471,7 +530,10 @@ class PrefillEngine:
             results = run_batch(self.model, batch, self.cache)
             computed = sum(t.num_tokens for t in batch) - sum(r.first.cached_tokens
                                                               for r in results)
-            self.rate.add(computed, time.perf_counter() - self.running_since)
+            seconds = time.perf_counter() - self.running_since
+            self.rate.add(computed, seconds)
+            with self._cond:
+                self.scheduler.observe(batch, seconds)
             for task, result in zip(batch, results):
                 deliver(task, result)
         except Exception as exc:  # noqa: BLE001 - reported to every request of the batch

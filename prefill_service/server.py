@@ -29,8 +29,8 @@ from nxdi_common.serving.structured import compile_constraint
 from nxdi_common.serving.types import ModelLimits, PrefillJob, check_prompt, check_sampling
 from prefill_service import convert
 from prefill_service.prefix_cache import PrefixCache
-from prefill_service.scheduler import (ORDERS, LoadReport, PrefillEngine, PrefillOutput,
-                                       PrefillScheduler, PrefillTask, check_order)
+from prefill_service.scheduler import (DEFAULT_TTFT_TARGET_S, ORDERS, LoadReport, PrefillEngine,
+                                       PrefillOutput, PrefillScheduler, PrefillTask, check_order)
 
 log = logging.getLogger("prefill_service")
 
@@ -59,14 +59,16 @@ class PrefillSettings:
     kv_socket_accept_seconds: float = kvs.DEFAULT_ACCEPT_TIMEOUT_SECONDS
     kv_socket_min_bytes: int = kvs.DEFAULT_MIN_PAYLOAD_BYTES
     # Which waiting prompts go next (scheduler module doc): "arrival" (oldest first) or
-    # "shortest" (shortest length bucket first, until the oldest has waited max_overtaken_s).
+    # "shortest" (shortest length bucket first, until the oldest has waited max_overtaken_s) or
+    # "deadline" (the oldest that can still be encoded within ttft_target_s, until the same).
     order: str = "arrival"
-    max_overtaken_s: float = 1.0
+    max_overtaken_s: float | None = None  # None: the order's default (1 s, or 2x the target)
     # The prefix cache (prefix_cache module doc): KV blocks of block_size tokens that keep the
     # prompts encoded here, so a prompt starting with an earlier one's prefix has only the rest
     # computed. 0: off (a flat KV cache, every prompt computed whole).
     prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS
     block_size: int = 16
+    ttft_target_s: float = DEFAULT_TTFT_TARGET_S
 
     def __post_init__(self):
         for name in ("max_batch_size", "ctx_batch_size", "max_queued_requests",
@@ -84,7 +86,8 @@ class PrefillSettings:
         if not self.kv_socket_accept_seconds > 0:
             raise ValueError(f"kv_socket_accept_seconds must be > 0, got "
                              f"{self.kv_socket_accept_seconds}")
-        check_order(self.order, self.max_overtaken_s)  # at start-up, before the model loads
+        # at start-up, before the model loads
+        check_order(self.order, self.max_overtaken_s, self.ttft_target_s)
         if self.ctx_batch_size > self.max_batch_size:
             raise ValueError(f"ctx_batch_size {self.ctx_batch_size} exceeds max_batch_size "
                              f"{self.max_batch_size}; raise --max-batch-size")
@@ -330,7 +333,8 @@ class PrefillApp:
         scheduler = PrefillScheduler(cte.length_buckets, settings.ctx_batch_size,
                                      settings.max_queued_requests,
                                      {n: cte.max_batch(n) for n in cte.length_buckets},
-                                     settings.order, settings.max_overtaken_s)
+                                     settings.order, settings.max_overtaken_s,
+                                     ttft_target_s=settings.ttft_target_s)
         nc = model.neuron_config
         cache = None
         if nc.is_block_kv_layout:
@@ -395,12 +399,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queued-requests", type=int, default=64,
                    help="waiting prompts beyond this are refused (RESOURCE_EXHAUSTED)")
     p.add_argument("--order", choices=ORDERS, default="arrival",
-                   help="which waiting prompts are encoded next: arrival (oldest first) or "
+                   help="which waiting prompts are encoded next: arrival (oldest first), "
                         "shortest (the shortest length bucket first, so short prompts do not "
-                        "wait behind long ones; see --max-overtaken-seconds)")
-    p.add_argument("--max-overtaken-seconds", type=float, default=1.0, metavar="S",
-                   help="with --order shortest: once the oldest waiting prompt has waited S "
-                        "seconds it goes next, whatever its length (bounds a long prompt's wait)")
+                        "wait behind long ones) or deadline (the oldest that can still be "
+                        "encoded within --ttft-target-seconds of its arrival, at the time "
+                        "measured here for its length, so a burst of long prompts makes late "
+                        "only those that were late anyway); see --max-overtaken-seconds")
+    p.add_argument("--max-overtaken-seconds", type=float, metavar="S",
+                   help="with --order shortest or deadline: once the oldest waiting prompt has "
+                        "waited S seconds it goes next, whatever its length (bounds a prompt's "
+                        "wait; default 1 s for shortest, twice --ttft-target-seconds for "
+                        "deadline)")
+    p.add_argument("--ttft-target-seconds", type=float, default=DEFAULT_TTFT_TARGET_S,
+                   metavar="S",
+                   help="with --order deadline: seconds from a prompt's arrival here by which "
+                        "its encoding should end (the TTFT SLO less the KV transfer and the "
+                        "router's share)")
     p.add_argument("--prefix-cache-blocks", type=int, default=DEFAULT_PREFIX_CACHE_BLOCKS,
                    metavar="N",
                    help="keep the KV of the prompts encoded here in N blocks of --block-size "
@@ -436,7 +450,7 @@ def settings_from_args(args: argparse.Namespace) -> PrefillSettings:
                            args.max_chunk_bytes, args.max_batch_tokens, args.kv_socket == "on",
                            args.kv_socket_port, args.kv_socket_accept_seconds,
                            args.kv_socket_min_bytes, args.order, args.max_overtaken_seconds,
-                           args.prefix_cache_blocks, args.block_size)
+                           args.prefix_cache_blocks, args.block_size, args.ttft_target_seconds)
 
 
 def load_app(args: argparse.Namespace) -> PrefillApp:

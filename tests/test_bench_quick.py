@@ -159,6 +159,11 @@ def test_prefill_order_flags_reach_only_the_disaggregated_prefill_worker():
     serve = ServeSettings(prefill_order="shortest", prefill_max_overtaken_s=2.0)
     assert our_launch_spec("disaggregated", serve).prefill_args == [
         "--order", "shortest", "--max-overtaken-seconds", "2"]
+    deadline = cli._compare_settings(cli.build_parser().parse_args(
+        ["compare", "--prefill-order", "deadline", "--prefill-max-overtaken", "8",
+         "--prefill-ttft-target", "3.25"])).serve
+    assert our_launch_spec("disaggregated", deadline).prefill_args == [
+        "--order", "deadline", "--max-overtaken-seconds", "8", "--ttft-target-seconds", "3.25"]
     niced = cli._compare_settings(cli.build_parser().parse_args(
         ["compare", "--prefill-nice", "10"])).serve
     assert our_launch_spec("disaggregated", niced).prefill_args == ["--nice", "10"]

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from nxdi_common import kv_transfer
+from nxdi_common import bucketing, kv_transfer
 from nxdi_common.modules.sampling import sample_from_logits
 from nxdi_common.serving import kv_socket, worker
 from nxdi_common.serving.errors import Overloaded
@@ -237,17 +237,71 @@ def test_scheduler_shortest_first_until_the_oldest_has_waited_its_bound():
     assert sched.next_batch() == []
 
 
+def test_scheduler_deadline_order_skips_the_prompts_already_late():
+    """Order "deadline": the oldest prompt that can still be encoded within the TTFT target of
+    its arrival (at the measured time per token of its bucket) goes next, so a burst of long
+    prompts makes late only those that were late anyway; when none can, or once the oldest has
+    waited max_overtaken_s, the oldest goes. Until a batch has been timed every prompt counts
+    as in time (arrival order)."""
+    now = [0]
+    sched = PrefillScheduler([128, 1024], ctx_batch_size=2, max_queued=9, order="deadline",
+                             max_overtaken_s=8.0, ttft_target_s=3.5, clock=lambda: now[0])
+
+    def add(name, n, at_s):
+        task = PrefillTask(PrefillJob(name, (1,) * n), (0, 2), None, None,
+                           arrival_ns=int(at_s * 1e9))
+        sched.add(task)
+        return task
+
+    def ids():
+        return [t.job.request_id for t in sched.next_batch()]
+
+    def timed(n, seconds):  # a batch of one prompt of n tokens took `seconds`
+        task = add("timed", n, 0.0)
+        sched.remove(task)
+        sched.observe([task], seconds)
+
+    add("long0", 1000, 0.0)
+    add("long1", 900, 0.5)
+    assert ids() == ["long0", "long1"]  # nothing timed yet: oldest first, its bucket batched
+    timed(1000, 1.0)  # the 1024-token bucket takes 1 s (its padded tokens, not the prompt's)
+    assert sched.ns_per_token == {1024: pytest.approx(1e9 / 1024)}
+    for name, at_s in (("late", 0.0), ("ontime", 0.5), ("later", 1.0)):
+        add(name, 1000, at_s)
+    add("chat", 100, 1.5)
+    now[0] = int(3.0e9)  # "late" would end at 4.0 > 3.5, "ontime" at 4.0 <= 4.0
+    assert sched.in_time(sched.waiting[1], now[0]) and not sched.in_time(sched.waiting[0], now[0])
+    assert ids() == ["ontime", "late"]  # the lead first, then its bucket in arrival order
+    now[0] = int(4.2e9)  # "later" ends at 5.2 > 4.5; "chat" (bucket 128 at the nearest
+    assert ids() == ["chat"]  # measured bucket's time per token: 0.125 s) at 4.325 <= 5.0
+    add("late2", 1000, 4.3)
+    now[0] = int(7.0e9)  # neither long prompt can end in time: the oldest, with its bucket
+    assert ids() == ["later", "late2"]
+    timed(100, 1.0)  # the 128-token bucket measured: 1 s
+    add("old", 1000, 8.0)
+    add("chat2", 100, 14.0)
+    now[0] = int(14.5e9)
+    assert ids() == ["chat2"]  # ends at 15.5 <= 17.5; "old" at 15.5 > 11.5
+    add("chat3", 100, 15.9)
+    now[0] = int(16.0e9)  # "old" has waited max_overtaken_s: it goes, in time or not
+    assert ids() == ["old"]
+    assert ids() == ["chat3"] and ids() == []
+
+
 def test_scheduler_arrival_order_ignores_length_and_bad_orders_are_refused():
     sched = PrefillScheduler([128, 512], ctx_batch_size=2, max_queued=9, order="arrival")
     for name, n in (("long", 500), ("chat", 50)):
         sched.add(PrefillTask(PrefillJob(name, (1,) * n), (0, 2), None, None))
     assert [t.job.request_id for t in sched.next_batch()] == ["long"]
-    with pytest.raises(ValueError, match="order must be one of arrival, shortest, got 'lifo'"):
+    with pytest.raises(ValueError,
+                       match="order must be one of arrival, shortest, deadline, got 'lifo'"):
         PrefillScheduler([128], 1, 1, order="lifo")
     with pytest.raises(ValueError, match="max_overtaken_s must be >= 0 seconds, got -1"):
         PrefillScheduler([128], 1, 1, order="shortest", max_overtaken_s=-1)
     with pytest.raises(ValueError, match="order must be one of arrival, shortest"):
         PrefillSettings(order="short")
+    with pytest.raises(ValueError, match="ttft_target_s must be > 0 seconds, got 0"):
+        PrefillSettings(order="deadline", ttft_target_s=0)
 
 
 def test_the_order_flags_reach_the_workers_scheduler(make_live):
@@ -259,6 +313,14 @@ def test_the_order_flags_reach_the_workers_scheduler(make_live):
     w = make_live(start_engine=False, order="shortest", max_overtaken_s=2.5)
     assert w.app.engine.scheduler.order == "shortest"
     assert w.app.engine.scheduler.max_overtaken_ns == 2_500_000_000
+    settings = settings_from_args(parse_args(["--order", "deadline",
+                                              "--ttft-target-seconds", "2"]))
+    assert (settings.order, settings.ttft_target_s) == ("deadline", 2.0)
+    assert settings_from_args(parse_args([])).ttft_target_s == 3.5
+    w = make_live(start_engine=False, order="deadline", ttft_target_s=2.0)
+    assert w.app.engine.scheduler.ttft_target_ns == 2_000_000_000
+    assert w.app.engine.scheduler.max_overtaken_ns == 4_000_000_000  # 2x the target
+    assert PrefillScheduler([128], 1, 1, order="shortest").max_overtaken_ns == 1_000_000_000
 
 
 def test_scheduler_keeps_long_buckets_to_their_batch_limit():
@@ -466,6 +528,11 @@ def test_load_report_counts_down_the_running_prompt_at_the_measured_rate(make_li
                  "req")
     rate = w.wait_load(running_sequences=0).prefill_tokens_per_s
     assert rate == pytest.approx(w.app.engine.rate.tokens_per_s)
+    # the same batch timed for order "deadline", by its bucket's padded tokens
+    bucket = bucketing.select_bucket(11, w.app.engine.scheduler.length_buckets)
+    assert list(w.app.engine.scheduler.ns_per_token) == [bucket]
+    assert w.app.engine.scheduler.ns_per_token[bucket] * bucket == pytest.approx(
+        1e9 * 11 / rate)
     assert w.app.metrics.value("nxdi_prefill_tokens_per_second") == pytest.approx(rate)
     assert 0 < 11 / rate <= time.perf_counter() - began  # the batch within the call's time
     model, gate = w.app.engine.model, threading.Event()
