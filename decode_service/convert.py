@@ -29,7 +29,8 @@ def job_from_proto(req: pb.DecodeRequest) -> t.DecodeJob:
     return t.DecodeJob(req.request_id, tuple(req.prompt_token_ids),
                        sampling_from_proto(req.sampling), stop_from_proto(req.stop),
                        tuple(req.prefill_candidates), req.local_prefill_fallback,
-                       req.priority, t.check_cache_salt(req.cache_salt))
+                       req.priority, t.check_cache_salt(req.cache_salt),
+                       req.hold_steps_for_prefill)
 
 
 def prefill_request(job: t.DecodeJob, fingerprint: kv_transfer.ModelFingerprint,
@@ -88,4 +89,5 @@ def worker_load(address: str, fingerprint, load: dict, max_running: int, block_s
         kv_blocks_free=load["kv_blocks_free"], kv_block_size=block_size,
         open_transfers=open_transfers, reported_at_unix_ns=time.time_ns(),
         queued_prompt_tokens=load["local_prompt_tokens"],
-        prefill_tokens_per_s=load["prefill_tokens_per_s"])
+        prefill_tokens_per_s=load["prefill_tokens_per_s"],
+        whole_core_prefill_tokens_per_s=load["whole_core_prefill_tokens_per_s"])

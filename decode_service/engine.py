@@ -62,6 +62,14 @@ In session 61's single-rate runs at 0.875 req/s the stretched gaps were the p99 
 22.0-23.2 held to the target, at equal attainment), yet a sweep held to the target lost 0.875
 req/s (0.886) where one with the stretch kept it (0.932): --pace-stretch is there to choose.
 
+A local prompt sent with ``DecodeJob.hold_steps_for_prefill`` (the router's
+--local-prefill-hold-ttft-seconds: a long prompt the busy prefill pool would make late) holds
+the steps instead while it waits or runs on the thread, at most HOLD_MAX_S after its arrival
+(_held_s): the thread has the whole core, and each running stream sees one gap the prompt's
+length rather than many stretched ones (a p99 gap counts the former once per stream). A
+sequence ready to join meanwhile sends its held first token at once (its TTFT would otherwise
+wait out the hold: session 69's first runs, 5-7 s for short prompts prefilled remotely).
+
 With a held first token (``EngineConfig.hold_first_token``, the worker's --hold-first-token) a
 prompt's first token is sent when its sequence joins the running batch, right before the step
 that makes its second, instead of as soon as it is known (from the prefill worker's stream, or
@@ -130,6 +138,10 @@ LOCAL_LATE_S = 5.0
 PIECE_COST_DECAY = 0.8  # the weight of earlier pieces in the measured seconds per token
 # the least share of the core _prior_local_rate counts on beside running streams
 PRIOR_MIN_SHARE = 0.05
+# a local prompt sent with hold_steps_for_prefill holds the decode steps at most this long
+# after its arrival (past any TTFT budget: the streams go on), checking this often (_held_s)
+HOLD_MAX_S = 10.0
+HOLD_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -367,7 +379,15 @@ class DecodeEngine:
         running = self.scheduler.num_running
         return {"running": running, "queued": max(len(self._live) - running, 0),
                 "kv_blocks_used": used, "kv_blocks_free": free, "local_prompt_tokens": local,
-                "prefill_tokens_per_s": self._local_rate()}
+                "prefill_tokens_per_s": self._local_rate(),
+                "whole_core_prefill_tokens_per_s": self._whole_core_rate()}
+
+    def _whole_core_rate(self) -> float:
+        """With a local prefill thread: the rate its pieces go at per second of its own CPU
+        time (else the warm-up's), what a prompt whose steps are held gets; 0 without one."""
+        if self._background is None:
+            return 0.0
+        return self._background.core_rate.tokens_per_s or self._warmup_rate()
 
     def _local_rate(self) -> float:
         """The local prefill rate a router weighs this worker by: the rate the local prefills
@@ -469,10 +489,30 @@ class DecodeEngine:
     def _pace_s(self) -> float:
         """With local prefill on its own thread and an ITL target: seconds to wait before the
         next decode step while a local prefill runs, so that the gaps between steps' ends stay
-        within the target and the time between goes to the prefill (StepPacer); 0 otherwise."""
+        within the target and the time between goes to the prefill (StepPacer); while a prompt
+        holds the steps, a short wait checked again (_held_s); 0 otherwise."""
+        held = self._held_s()
+        if held:
+            for seq in self.scheduler.ready:  # their first tokens need not wait out the hold
+                seq.release_first()
+            return held
         if self._pacer is None or not len(self._background):
             return 0.0
         return self._pacer.pause_s(time.perf_counter(), self._paced_gap_s())
+
+    def _held_s(self) -> float:
+        """HOLD_POLL_S while a local prompt sent with hold_steps_for_prefill waits or runs on
+        the local prefill thread, for at most HOLD_MAX_S after its arrival: no decode step
+        starts meanwhile, so the thread has the whole core and the prompt ends at the rate the
+        router weighed (whole_core_prefill_tokens_per_s); each running stream sees one gap of
+        the prompt's length instead of the many stretched ones of a paced share. 0 otherwise
+        (and without the thread, where the flag is not honoured)."""
+        if self._background is None:
+            return 0.0
+        now = time.monotonic_ns()
+        held = any(seq.job.hold_steps_for_prefill and now - seq.arrival_ns < HOLD_MAX_S * 1e9
+                   for seq in self._background.queued())
+        return HOLD_POLL_S if held else 0.0
 
     def _paced_gap_s(self) -> float:
         """The gap the paced steps keep (module doc): the ITL target; with a TTFT target, longer

@@ -195,6 +195,11 @@ def _local_prefill_args(g) -> None:
     g.add_argument("--local-prefill-always-tokens", type=int, default=0, metavar="A",
                    help="disaggregated: prompts of at most A tokens are always prefilled by the "
                         "decode worker")
+    g.add_argument("--local-prefill-hold-ttft", type=float, default=0.0, metavar="SECONDS",
+                   help="disaggregated: the router's --local-prefill-hold-ttft-seconds (a prompt "
+                        "the prefill worker would finish later goes to the decode worker, "
+                        "prefilled with its steps held; needs --decode-local-prefill-nice; "
+                        "0: off)")
     g.add_argument("--prefill-chunk-tokens", type=int, default=None, metavar="N",
                    help="our decode workers prefill a prompt N tokens per piece, one piece "
                         "between two decode steps (0: whole prompts; default: the worker's)")
@@ -357,6 +362,7 @@ def _compare_settings(args):
                           local_prefill_max_tokens=args.local_prefill_max_tokens,
                           local_prefill_queue_tokens=args.local_prefill_queue_tokens,
                           local_prefill_always_tokens=args.local_prefill_always_tokens,
+                          local_prefill_hold_ttft_s=args.local_prefill_hold_ttft,
                           prefill_chunk_tokens=args.prefill_chunk_tokens,
                           decode_tpot_target_s=args.decode_tpot_target,
                           decode_itl_target_s=args.decode_itl_target,

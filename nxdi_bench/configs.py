@@ -51,6 +51,7 @@ class ServeSettings:
     local_prefill_max_tokens: int = 0    # disaggregated: the router's conditional disaggregation
     local_prefill_queue_tokens: int = 0
     local_prefill_always_tokens: int = 0
+    local_prefill_hold_ttft_s: float = 0.0  # disaggregated: the router's hold rule (0: off)
     prefill_chunk_tokens: int | None = None  # ours: decode workers' --prefill-chunk-tokens
     decode_tpot_target_s: float | None = None  # ours: decode workers' --tpot-target-ms
     decode_itl_target_s: float | None = None  # ours: decode workers' --itl-target-ms
@@ -125,6 +126,8 @@ def _disaggregated_args(s: ServeSettings) -> tuple[list[str], list[str]]:
                         "--local-prefill-queue-tokens", str(s.local_prefill_queue_tokens)]
     if s.local_prefill_always_tokens:
         router_args += ["--local-prefill-always-tokens", str(s.local_prefill_always_tokens)]
+    if s.local_prefill_hold_ttft_s:
+        router_args += ["--local-prefill-hold-ttft-seconds", f"{s.local_prefill_hold_ttft_s:g}"]
     prefill_args = []
     if s.prefill_order is not None:
         prefill_args += ["--order", s.prefill_order]

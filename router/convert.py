@@ -127,19 +127,22 @@ def list_models(name: str, created: int, max_model_len: int,
 # --- calling decode workers ------------------------------------------------------------------
 
 
-def decode_request(req: RoutedRequest, prefill_candidates: list[str]) -> pb.DecodeRequest:
+def decode_request(req: RoutedRequest, prefill_candidates: list[str],
+                   hold_steps: bool = False) -> pb.DecodeRequest:
     return pb.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids,
                             sampling=common.sampling_to_proto(req.sampling),
                             stop=common.stop_to_proto(req.stop),
                             prefill_candidates=prefill_candidates, local_prefill_fallback=False,
-                            priority=req.priority, cache_salt=req.cache_salt)
+                            priority=req.priority, cache_salt=req.cache_salt,
+                            hold_steps_for_prefill=hold_steps)
 
 
 def start_generate(channel: grpc.aio.Channel, req: RoutedRequest, prefill_candidates: list[str],
-                   timeout: float | None):
-    """Start Decode.Generate; returns the call (async-iterate it for TokenEvents, cancel() it)."""
+                   timeout: float | None, hold_steps: bool = False):
+    """Start Decode.Generate; returns the call (async-iterate it for TokenEvents, cancel() it).
+    hold_steps: the decode worker prefills it with its steps held (LocalChoice.hold_steps)."""
     stub = pb_grpc.DecodeStub(channel)
-    return stub.Generate(decode_request(req, prefill_candidates), timeout=timeout)
+    return stub.Generate(decode_request(req, prefill_candidates, hold_steps), timeout=timeout)
 
 
 def token_output(event: pb.TokenEvent) -> TokenOutput:
@@ -159,6 +162,7 @@ def load_from_proto(msg: pb.WorkerLoad) -> WorkerLoad:
         running_prompt_tokens=msg.running_prompt_tokens, role=ROLE_FROM_PROTO.get(msg.role, ""),
         fingerprint=msg.fingerprint if msg.HasField("fingerprint") else None,
         prefill_tokens_per_s=msg.prefill_tokens_per_s, received_ns=time.monotonic_ns(),
+        whole_core_prefill_tokens_per_s=msg.whole_core_prefill_tokens_per_s,
         prefix_cache=(common.cache_report_from_proto(msg.prefix_cache)
                       if msg.HasField("prefix_cache") else None))
 

@@ -301,7 +301,7 @@ class Dispatcher:
             raise WorkerError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request timed out before "
                                                                  "a decode worker took it")
         call = convert.start_generate(self.registry.channel(worker.address), req, prefills,
-                                      remaining)
+                                      remaining, choice.hold_steps)
         self.registry.note_dispatch(worker.address, prefills[0] if prefills else None,
                                     len(req.prompt_ids))
         first = next((w for w in ranked if w.address == prefills[0]), None) if prefills else None

@@ -44,6 +44,8 @@ class WorkerLoad:
     role: str = ""  # PREFILL or DECODE, as the worker reported itself
     fingerprint: object = field(default=None, compare=False)  # opaque; router.convert reads it
     prefill_tokens_per_s: float = 0.0  # measured; 0 until the worker has prefilled something
+    # decode workers with a local prefill thread: its rate with the core to itself (0: none)
+    whole_core_prefill_tokens_per_s: float = 0.0
     # when the router took this snapshot (time.monotonic_ns(); 0: unknown): the tokens ahead
     # are counted down from it at prefill_tokens_per_s, on the router's own clock
     received_ns: int = field(default=0, compare=False)
@@ -145,17 +147,30 @@ class LocalPrefillRule:
     at all. In a 4 req/s run on `mixed` (session 58) a decode worker whose prefill thread got no
     core beside back-to-back steps reported no rate for 50 s and took 30 000 prompt tokens of
     local prefills meanwhile: their blocks filled its cache and the run's throughput fell to a
-    tenth while the prefill worker stood idle."""
+    tenth while the prefill worker stood idle.
+
+    With ``hold_ttft_s`` (0: off), a prompt this rule leaves to the prefill pool goes to the
+    decode worker instead, to be prefilled with its decode steps held
+    (DecodeRequest.hold_steps_for_prefill), when every candidate would finish it later than
+    ``hold_ttft_s`` and the decode worker, at its whole core's rate
+    (whole_core_prefill_tokens_per_s, its local prompts ahead first), would finish it within
+    that and sooner: the second core takes a long prompt the busy prefill worker would make
+    late, at the cost of one long gap in each running stream (BENCHMARKS.md, issue 4, session
+    69: two long prompts a few seconds apart are what a one-core prefill pool misses)."""
 
     max_tokens: int = 0
     queue_tokens: int = 0
     always_tokens: int = 0
+    hold_ttft_s: float = 0.0
 
     def __post_init__(self):
         for name in ("max_tokens", "queue_tokens", "always_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"local prefill {name} must be an integer >= 0, got {value!r}")
+        if not (isinstance(self.hold_ttft_s, (int, float)) and self.hold_ttft_s >= 0):
+            raise ValueError(f"local prefill hold_ttft_s must be a number of seconds >= 0 "
+                             f"(0: off), got {self.hold_ttft_s!r}")
 
     def prefill_locally(self, prompt_len: int, prefills: Sequence[WorkerState],
                         decode: WorkerState | None = None, now_ns: int | None = None) -> bool:
@@ -169,16 +184,42 @@ class LocalPrefillRule:
         if 0 < prompt_len <= self.always_tokens:
             return LocalChoice(True)
         now = time.monotonic_ns() if now_ns is None else now_ns
+        choice = self._shared(prompt_len, prefills, decode, now)
+        if choice.local or not self.hold_ttft_s or decode is None or prompt_len <= 0:
+            return choice
+        return self._held(prompt_len, prefills, decode, now)
+
+    def _shared(self, prompt_len: int, prefills: Sequence[WorkerState],
+                decode: WorkerState | None, now: int) -> LocalChoice:
+        """The rule for prompts the decode worker prefills beside its steps (class doc)."""
         if not (0 < prompt_len <= self.max_tokens
                 and all(prompt_tokens_ahead(w, now) >= self.queue_tokens for w in prefills)):
             return LocalChoice(False)
         local = prefill_eta_s(decode.current_load, prompt_len, now) if decode else None
         if local is None and decode is not None and tokens_ahead_at(decode.current_load, now):
             return LocalChoice(False)  # local prompts ahead and no rate yet: maybe not moving
-        remote = min((eta for w in prefills
-                      if (eta := prefill_eta_s(w.current_load, prompt_len, now)) is not None),
-                     default=None)
+        remote = _soonest(prefills, prompt_len, now)
         return LocalChoice(local is None or remote is None or local <= remote, local, remote)
+
+    def _held(self, prompt_len: int, prefills: Sequence[WorkerState], decode: WorkerState,
+              now: int) -> LocalChoice:
+        """The rule for prompts the decode worker prefills with its steps held (hold_ttft_s)."""
+        load = decode.current_load
+        remote = _soonest(prefills, prompt_len, now)
+        if load.whole_core_prefill_tokens_per_s <= 0 or remote is None \
+                or remote <= self.hold_ttft_s:
+            return LocalChoice(False, None, remote)
+        local = (tokens_ahead_at(load, now) + prompt_len) / load.whole_core_prefill_tokens_per_s
+        held = local <= self.hold_ttft_s and local < remote
+        return LocalChoice(held, local, remote, hold_steps=held)
+
+
+def _soonest(prefills: Sequence[WorkerState], prompt_len: int, now: int) -> float | None:
+    """The soonest prefill candidate's estimated seconds to finish the prompt (None: no
+    candidate has measured a rate)."""
+    return min((eta for w in prefills
+                if (eta := prefill_eta_s(w.current_load, prompt_len, now)) is not None),
+               default=None)
 
 
 @dataclass(frozen=True)
@@ -190,6 +231,7 @@ class LocalChoice:
     local: bool
     local_eta_s: float | None = None
     remote_eta_s: float | None = None
+    hold_steps: bool = False  # local, with the decode steps held (LocalPrefillRule.hold_ttft_s)
 
     def note(self) -> str:
         """The estimates as the request line shows them ("" when neither was weighed)."""
@@ -197,7 +239,7 @@ class LocalChoice:
             return ""
         local, remote = ("-" if eta is None else f"{eta:.2f}s"
                          for eta in (self.local_eta_s, self.remote_eta_s))
-        return f"local:{local},prefill:{remote}"
+        return f"local:{local},prefill:{remote}" + (",held" if self.hold_steps else "")
 
 
 class _Policy:

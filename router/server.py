@@ -67,6 +67,7 @@ class RouterSettings:
     cache_overlap_weight: float = 1.0  # policies.CacheAware
     cache_reports: bool = True  # ask workers for their prefix caches' changes (prefix_index)
     scheduling_policy: str = "fcfs"  # "priority": requests' priority orders every wait
+    local_prefill_hold_ttft_seconds: float = 0.0  # LocalPrefillRule.hold_ttft_s; 0: off
 
     def __post_init__(self):
         _ = self.make_policy()  # ValueError naming the policy or its weight when bad
@@ -98,7 +99,8 @@ class RouterSettings:
     @property
     def local_prefill(self) -> LocalPrefillRule:
         return LocalPrefillRule(self.local_prefill_max_tokens, self.local_prefill_queue_tokens,
-                                self.local_prefill_always_tokens)
+                                self.local_prefill_always_tokens,
+                                self.local_prefill_hold_ttft_seconds)
 
     @property
     def poll_timeout_seconds(self) -> float:
@@ -308,6 +310,12 @@ def add_local_prefill_args(g) -> None:
     g.add_argument("--local-prefill-always-tokens", type=int, default=0, metavar="A",
                    help="prompts of at most A tokens are always prefilled by their decode "
                         "worker, busy or not (longer ones as the two options above say)")
+    g.add_argument("--local-prefill-hold-ttft-seconds", type=float, default=0.0, metavar="S",
+                   help="a prompt every prefill worker would finish later than S seconds goes "
+                        "to its decode worker, prefilled there with the decode steps held (the "
+                        "whole core: one long gap in each running stream), when that worker "
+                        "reports a local prefill thread whose rate finishes it within S and "
+                        "sooner; 0 (default): off")
 
 
 async def wake_every(seconds: float, counter: list[int] | None = None) -> None:
@@ -327,7 +335,8 @@ def settings_from_args(args) -> RouterSettings:
                           args.local_prefill_queue_tokens, args.local_prefill_always_tokens,
                           args.queue_timeout_seconds, args.max_queued_requests,
                           keys_from(args.api_key), args.cache_overlap_weight,
-                          args.cache_reports, args.scheduling_policy)
+                          args.cache_reports, args.scheduling_policy,
+                          local_prefill_hold_ttft_seconds=args.local_prefill_hold_ttft_seconds)
 
 
 async def serve(args) -> None:

@@ -96,6 +96,65 @@ def test_streams_step_while_a_prompt_is_prefilled_beside_them(tiny_chat_model, r
         engine.stop()
 
 
+def test_a_prompt_sent_to_hold_the_steps_has_the_core_until_it_is_prefilled(tiny_chat_model,
+                                                                           reference):
+    """DecodeRequest.hold_steps_for_prefill: while that prompt waits or runs on the thread no
+    decode step starts (the running stream gets no token), for at most HOLD_MAX_S after its
+    arrival; then the stream goes on, and both streams are transformers' greedy tokens. The
+    worker reports its thread's whole-core rate (what the router weighs such a prompt by); a
+    worker without the thread reports 0 and does not hold."""
+    from decode_service.engine import HOLD_MAX_S, HOLD_POLL_S
+    engine = build(tiny_chat_model)
+    try:
+        first, second = [], []
+        short = admit(engine, "short", [1, 504, 3458, 282, 4649, 314], 40, first)
+        turn_until(engine, lambda: len(first) >= 2)
+        gate, entered, restore = hold_pieces(engine)
+        prompt = list(range(300, 500))
+        job = DecodeJob("long", tuple(prompt), GREEDY, StopOptions(20, ignore_eos=True),
+                        hold_steps_for_prefill=True)
+        long = engine.admit(job, 20, second.append)
+        engine.submit_local_prefill(long)
+        engine._iterate()  # hands the prompt to the thread
+        assert entered.wait(30)
+        before = len(first)
+        for _ in range(5):
+            engine._iterate()
+        assert len(first) == before and engine._pace_s() == HOLD_POLL_S  # held
+        # a sequence ready to join meanwhile (its prompt prefilled elsewhere) with its first
+        # token held for the join (--hold-first-token) sends that token now, not after the hold
+        joining = []
+        ready = engine.admit(DecodeJob("ready", (1, 2, 3), GREEDY, StopOptions(4)), 4,
+                             joining.append)
+        ready.held = "first token"
+        engine.scheduler.ready.append(ready)
+        assert engine._pace_s() == HOLD_POLL_S and joining == ["first token"]
+        engine.scheduler.ready.remove(ready)
+        engine.drop(ready)
+        long.arrival_ns -= int(HOLD_MAX_S * 1e9)  # past the bound: the stream goes on
+        for _ in range(5):
+            engine._iterate()
+        assert len(first) == before + 5
+        long.arrival_ns += int(HOLD_MAX_S * 1e9)
+        restore()
+        gate.set()
+        turn_until(engine, lambda: long.prefilled == len(prompt))
+        assert len(first) <= before + 6  # held again while its pieces ran (one step may end)
+        turn_until(engine, lambda: short.finished and long.finished)
+        assert [o.token_id for o in first] == greedy(reference, short.job.prompt_ids, 40)
+        assert [o.token_id for o in second] == greedy(reference, prompt, 20)
+        assert engine._pace_s() == 0.0
+        whole = engine.load()["whole_core_prefill_tokens_per_s"]
+        assert whole == pytest.approx(engine._background.core_rate.tokens_per_s) and whole > 0
+    finally:
+        engine.stop()
+    inline = main.build(main.parse_args(["--model", str(tiny_chat_model), "--dtype", "float32",
+                                         "--backend", "eager", "--threads", "1",
+                                         "--max-model-len", "512", "--kv-blocks", "64"]))[1]
+    assert inline.load()["whole_core_prefill_tokens_per_s"] == 0.0
+    assert inline._pace_s() == 0.0
+
+
 def test_an_itl_target_paces_the_steps_while_a_local_prefill_runs(tiny_chat_model):
     """--itl-target-ms with the thread: while a prompt's piece runs the steps are paced to end
     ~40 ms apart (the time between is the prefill's); with no local prefill, no pause."""

@@ -144,6 +144,11 @@ def test_conditional_disaggregation_flags_reach_only_the_disaggregated_router():
         "--local-prefill-always-tokens", "256"]
     for name in ("disaggregated", "aggregated"):
         assert our_launch_spec(name, always).decode_args[-2:] == ["--prefill-chunk-tokens", "128"]
+    held = cli._compare_settings(cli.build_parser().parse_args(
+        ["compare", "--local-prefill-hold-ttft", "3.5"])).serve
+    assert our_launch_spec("disaggregated", held).router_args == [
+        "--local-prefill-hold-ttft-seconds", "3.5"]
+    assert our_launch_spec("aggregated", held).router_args == []
 
 
 def test_prefill_order_flags_reach_only_the_disaggregated_prefill_worker():

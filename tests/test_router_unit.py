@@ -21,6 +21,7 @@ from nxdi_common.serving.types import (SamplingOptions, StopOptions, StructuredO
                                        TokenLogprob, TokenOutput, Usage)
 from nxdi_common.serving.worker import ModelOptions
 from protos.nxdi.serving.v1 import serving_pb2 as pb
+from router import convert
 from router.dispatch import Dispatcher, WorkerError, compatible_prefills
 from router.frontend import ModelFrontend, RoutedRequest
 from router.openai_format import ChatFormatter, CompletionFormatter, finish_reason
@@ -879,6 +880,52 @@ def test_local_prefill_goes_where_the_prompt_would_be_prefilled_first():
 
 
 
+def whole_core(address, rate, whole, received_ns, queued=0):
+    """A decode worker reporting its paced local rate and its whole core's."""
+    load = WorkerLoad(queued_prompt_tokens=queued, role=DECODE, prefill_tokens_per_s=rate,
+                      received_ns=received_ns, whole_core_prefill_tokens_per_s=whole)
+    return WorkerState(address, DECODE, True, load, "")
+
+
+def test_a_long_prompt_the_prefill_pool_would_make_late_goes_local_with_the_steps_held():
+    """hold_ttft_s: a prompt the paced rule leaves to the pool goes to the decode worker, with
+    its steps held, when every candidate would finish it past hold_ttft_s and the decode worker
+    at its whole core's rate (local prompts ahead first) within it and sooner; off at 0, and
+    never where the decode worker reports no whole-core rate (no local prefill thread)."""
+    s = 10**9
+    rule = LocalPrefillRule(max_tokens=512, queue_tokens=1024, hold_ttft_s=3.5)
+    busy = rated("p1:1", PREFILL, 600.0, received_ns=100 * s, running=1500)  # 2.5 s ahead
+    decode = whole_core("d1:1", 200.0, 700.0, received_ns=100 * s)
+    choice = rule.choose(1400, [busy], decode, now_ns=100 * s)  # 4.83 s remote, 2.0 s held
+    assert (choice.local, choice.hold_steps) == (True, True)
+    assert choice.local_eta_s == pytest.approx(1400 / 700)
+    assert choice.remote_eta_s == pytest.approx(2900 / 600)
+    assert choice.note() == "local:2.00s,prefill:4.83s,held"
+    # the pool in time (the same report 2 s later: 1200 tokens less ahead): remote
+    assert not rule.choose(1400, [busy], decode, now_ns=102 * s).local
+    # local prompts ahead on the decode worker push it past the budget: remote, late or not
+    loaded = whole_core("d1:1", 200.0, 700.0, received_ns=100 * s, queued=1200)
+    late = rule.choose(1400, [busy], loaded, now_ns=100 * s)  # 3.71 s local > 3.5
+    assert not late.local and not late.hold_steps
+    assert late.local_eta_s == pytest.approx(2600 / 700)
+    # no whole-core rate reported, the rule off, or no rate from the pool: remote
+    for rule_, worker, pool in ((rule, whole_core("d1:1", 200.0, 0.0, 100 * s), [busy]),
+                                (LocalPrefillRule(512, 1024), decode, [busy]),
+                                (rule, decode, [rated("p1:1", PREFILL, 0.0, 0, running=1500)])):
+        assert not rule_.choose(1400, pool, worker, now_ns=100 * s).local
+    # a short prompt the paced rule takes is not held
+    short = rule.choose(300, [busy], decode, now_ns=100 * s)
+    assert short.local and not short.hold_steps
+    with pytest.raises(ValueError, match="hold_ttft_s must be a number of seconds >= 0"):
+        LocalPrefillRule(hold_ttft_s=-1)
+    # the decode request carries the flag; the worker's report its whole-core rate
+    req = RoutedRequest("r1", (1, 2), SamplingOptions(), StopOptions(max_tokens=4))
+    assert convert.decode_request(req, [], hold_steps=True).hold_steps_for_prefill
+    assert not convert.decode_request(req, ["p1:1"]).hold_steps_for_prefill
+    report = pb.WorkerLoad(role=pb.WORKER_ROLE_DECODE, whole_core_prefill_tokens_per_s=650.0)
+    assert convert.load_from_proto(report).whole_core_prefill_tokens_per_s == 650.0
+
+
 def test_the_local_prefill_rule_reports_both_sides_estimates():
     """choose(): prefill_locally's answer with the estimated seconds to finish the prompt on
     each side where the rule weighed them, as the router's request line shows them."""
@@ -1003,6 +1050,8 @@ def test_router_command_line_sets_the_local_prefill_rule():
                                       "--local-prefill-queue-tokens", "1024",
                                       "--local-prefill-always-tokens", "256"])
     assert settings_from_args(args).local_prefill == LocalPrefillRule(2048, 1024, 256)
+    args = build_parser().parse_args(["--local-prefill-hold-ttft-seconds", "3.5"])
+    assert settings_from_args(args).local_prefill == LocalPrefillRule(hold_ttft_s=3.5)
 
 
 def test_router_command_line_takes_a_nice_value(capsys):

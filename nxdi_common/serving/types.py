@@ -308,6 +308,8 @@ class DecodeJob:
     local_prefill_fallback: bool = False
     priority: int = 0  # lower runs first where requests wait (check_priority)
     cache_salt: str = ""  # only requests with the same salt share cached blocks (check_cache_salt)
+    # prefilled locally with the decode steps held while it runs (DecodeRequest's field)
+    hold_steps_for_prefill: bool = False
 
 
 @dataclass(frozen=True)

@@ -299,7 +299,7 @@ class TokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "prefill_candidates", "local_prefill_fallback", "priority", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop", "prefill_candidates", "local_prefill_fallback", "priority", "cache_salt", "hold_steps_for_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,7 @@ class DecodeRequest(_message.Message):
     LOCAL_PREFILL_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    HOLD_STEPS_FOR_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -316,7 +317,8 @@ class DecodeRequest(_message.Message):
     local_prefill_fallback: bool
     priority: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., prefill_candidates: _Optional[_Iterable[str]] = ..., local_prefill_fallback: _Optional[bool] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    hold_steps_for_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., prefill_candidates: _Optional[_Iterable[str]] = ..., local_prefill_fallback: _Optional[bool] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., hold_steps_for_prefill: _Optional[bool] = ...) -> None: ...
 
 class ModelFingerprint(_message.Message):
     __slots__ = ("model_name", "num_layers", "num_kv_heads", "head_dim", "dtype", "kv_quantization", "weights_hash")
@@ -469,7 +471,7 @@ class PrefixCacheReport(_message.Message):
     def __init__(self, instance: _Optional[int] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "address", "fingerprint", "queued_prompt_tokens", "queued_requests", "running_sequences", "max_running_sequences", "kv_blocks_used", "kv_blocks_free", "kv_block_size", "open_transfers", "reported_at_unix_ns", "running_prompt_tokens", "prefill_tokens_per_s", "prefix_cache")
+    __slots__ = ("role", "address", "fingerprint", "queued_prompt_tokens", "queued_requests", "running_sequences", "max_running_sequences", "kv_blocks_used", "kv_blocks_free", "kv_block_size", "open_transfers", "reported_at_unix_ns", "running_prompt_tokens", "prefill_tokens_per_s", "prefix_cache", "whole_core_prefill_tokens_per_s")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -485,6 +487,7 @@ class WorkerLoad(_message.Message):
     RUNNING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_CORE_PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     address: str
     fingerprint: ModelFingerprint
@@ -500,4 +503,5 @@ class WorkerLoad(_message.Message):
     running_prompt_tokens: int
     prefill_tokens_per_s: float
     prefix_cache: PrefixCacheReport
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_sequences: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., open_transfers: _Optional[int] = ..., reported_at_unix_ns: _Optional[int] = ..., running_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCacheReport, _Mapping]] = ...) -> None: ...
+    whole_core_prefill_tokens_per_s: float
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_sequences: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., open_transfers: _Optional[int] = ..., reported_at_unix_ns: _Optional[int] = ..., running_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCacheReport, _Mapping]] = ..., whole_core_prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
