@@ -384,6 +384,27 @@ class PrefillApp:
 # Command line
 # ---------------------------------------------------------------------------------------------
 
+def _add_order_args(g) -> None:
+    """--order and its bounds (the scheduler module doc)."""
+    g.add_argument("--order", choices=ORDERS, default="arrival",
+                   help="which waiting prompts are encoded next: arrival (oldest first), "
+                        "shortest (the shortest length bucket first, so short prompts do not "
+                        "wait behind long ones) or deadline (the oldest that can still be "
+                        "encoded within --ttft-target-seconds of its arrival, at the time "
+                        "measured here for its length, so a burst of long prompts makes late "
+                        "only those that were late anyway); see --max-overtaken-seconds")
+    g.add_argument("--max-overtaken-seconds", type=float, metavar="S",
+                   help="with --order shortest or deadline: once the oldest waiting prompt has "
+                        "waited S seconds it goes next, whatever its length (bounds a prompt's "
+                        "wait; default 1 s for shortest, twice --ttft-target-seconds for "
+                        "deadline)")
+    g.add_argument("--ttft-target-seconds", type=float, default=DEFAULT_TTFT_TARGET_S,
+                   metavar="S",
+                   help="with --order deadline: seconds from a prompt's arrival here by which "
+                        "its encoding should end (the TTFT SLO less the KV transfer and the "
+                        "router's share)")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m prefill_service",
                                 description="Prefill worker: context encoding, first token, and "
@@ -398,23 +419,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "lost: long prompts fill the CPU on their own)")
     p.add_argument("--max-queued-requests", type=int, default=64,
                    help="waiting prompts beyond this are refused (RESOURCE_EXHAUSTED)")
-    p.add_argument("--order", choices=ORDERS, default="arrival",
-                   help="which waiting prompts are encoded next: arrival (oldest first), "
-                        "shortest (the shortest length bucket first, so short prompts do not "
-                        "wait behind long ones) or deadline (the oldest that can still be "
-                        "encoded within --ttft-target-seconds of its arrival, at the time "
-                        "measured here for its length, so a burst of long prompts makes late "
-                        "only those that were late anyway); see --max-overtaken-seconds")
-    p.add_argument("--max-overtaken-seconds", type=float, metavar="S",
-                   help="with --order shortest or deadline: once the oldest waiting prompt has "
-                        "waited S seconds it goes next, whatever its length (bounds a prompt's "
-                        "wait; default 1 s for shortest, twice --ttft-target-seconds for "
-                        "deadline)")
-    p.add_argument("--ttft-target-seconds", type=float, default=DEFAULT_TTFT_TARGET_S,
-                   metavar="S",
-                   help="with --order deadline: seconds from a prompt's arrival here by which "
-                        "its encoding should end (the TTFT SLO less the KV transfer and the "
-                        "router's share)")
+    _add_order_args(p.add_argument_group("queue order"))
     p.add_argument("--prefix-cache-blocks", type=int, default=DEFAULT_PREFIX_CACHE_BLOCKS,
                    metavar="N",
                    help="keep the KV of the prompts encoded here in N blocks of --block-size "
