@@ -421,8 +421,8 @@ class DecodeEngine:
         step = self._step_or_warmup()
         if self._pacer is None or step is None:
             return 0.0
-        whole = self._background.core_rate.tokens_per_s or self._warmup_rate()
-        return whole * max(1.0 - step / self.config.itl_target_s, PRIOR_MIN_SHARE)
+        return self._whole_core_rate() * max(1.0 - step / self.config.itl_target_s,
+                                             PRIOR_MIN_SHARE)
 
     def _step_or_warmup(self) -> float | None:
         """The measured decode step, else a token-generation call's time in the model's
