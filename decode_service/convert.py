@@ -90,4 +90,5 @@ def worker_load(address: str, fingerprint, load: dict, max_running: int, block_s
         open_transfers=open_transfers, reported_at_unix_ns=time.time_ns(),
         queued_prompt_tokens=load["local_prompt_tokens"],
         prefill_tokens_per_s=load["prefill_tokens_per_s"],
-        whole_core_prefill_tokens_per_s=load["whole_core_prefill_tokens_per_s"])
+        whole_core_prefill_tokens_per_s=load["whole_core_prefill_tokens_per_s"],
+        hold_budget_s=load["hold_budget_s"])

@@ -68,7 +68,11 @@ the steps instead while it waits or runs on the thread, at most HOLD_MAX_S after
 (_held_s): the thread has the whole core, and each running stream sees one gap the prompt's
 length rather than many stretched ones (a p99 gap counts the former once per stream). A
 sequence ready to join meanwhile sends its held first token at once (its TTFT would otherwise
-wait out the hold: session 69's first runs, 5-7 s for short prompts prefilled remotely).
+wait out the hold: session 69's first runs, 5-7 s for short prompts prefilled remotely). With
+a TPOT target the steps are held only while every running stream can still end within it
+(hold_budget_s, also in the load report for the router): in session 69's runs at 1 req/s a
+burst of long prompts chained holds 5-9 s long, and six streams that had met their TTFT missed
+the TPOT target by the stall alone.
 
 With a held first token (``EngineConfig.hold_first_token``, the worker's --hold-first-token) a
 prompt's first token is sent when its sequence joins the running batch, right before the step
@@ -119,7 +123,8 @@ from nxdi_common.serving.errors import Overloaded
 from nxdi_common.serving.handoff import deferred_wakeups
 from nxdi_common.serving.rates import PrefillRate, moving_average
 from decode_service.background_prefill import BackgroundPrefill, StepPacer, check_nice
-from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
+from decode_service.scheduler import (DecodeScheduler, piece_costs_a_tpot, split_by_length,
+                                      stall_budget_s)
 from decode_service.sequence import Sequence
 from nxdi_common.serving.sampling import (host_logits, model_global_topk, request_generator,
                                           resample_on_host, sample_row, score_positions,
@@ -142,6 +147,11 @@ PRIOR_MIN_SHARE = 0.05
 # after its arrival (past any TTFT budget: the streams go on), checking this often (_held_s)
 HOLD_MAX_S = 10.0
 HOLD_POLL_S = 0.05
+# with a TPOT target the steps are held only while every running stream would still end within
+# this share of it (hold_budget_s; the rest is room for the larger steps after a hold), and not
+# for less than HOLD_MIN_S at a time
+HOLD_TPOT_SHARE = 0.9
+HOLD_MIN_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -380,7 +390,8 @@ class DecodeEngine:
         return {"running": running, "queued": max(len(self._live) - running, 0),
                 "kv_blocks_used": used, "kv_blocks_free": free, "local_prompt_tokens": local,
                 "prefill_tokens_per_s": self._local_rate(),
-                "whole_core_prefill_tokens_per_s": self._whole_core_rate()}
+                "whole_core_prefill_tokens_per_s": self._whole_core_rate(),
+                "hold_budget_s": self.hold_budget_s() if self._background is not None else None}
 
     def _whole_core_rate(self) -> float:
         """With a local prefill thread: the rate its pieces go at per second of its own CPU
@@ -506,13 +517,33 @@ class DecodeEngine:
         starts meanwhile, so the thread has the whole core and the prompt ends at the rate the
         router weighed (whole_core_prefill_tokens_per_s); each running stream sees one gap of
         the prompt's length instead of the many stretched ones of a paced share. 0 otherwise
-        (and without the thread, where the flag is not honoured)."""
+        (and without the thread, where the flag is not honoured); with a TPOT target for no
+        longer than hold_budget_s."""
         if self._background is None:
             return 0.0
         now = time.monotonic_ns()
         held = any(seq.job.hold_steps_for_prefill and now - seq.arrival_ns < HOLD_MAX_S * 1e9
                    for seq in self._background.queued())
-        return HOLD_POLL_S if held else 0.0
+        if not held:
+            return 0.0
+        budget = self.hold_budget_s()
+        if budget is None:
+            return HOLD_POLL_S
+        return min(HOLD_POLL_S, budget) if budget >= HOLD_MIN_S else 0.0
+
+    def hold_budget_s(self) -> float | None:
+        """With a TPOT target: how long the steps can be held now with every running stream
+        still ending within HOLD_TPOT_SHARE of the target at the measured step
+        (scheduler.stall_budget_s; at most 0 when none is left); None when nothing limits it
+        (no target, no step measured yet, no stream that could still meet it). _held_s holds
+        no longer: once it is spent the steps go on, paced as beside any local prompt (a step
+        leaves it as it was: the projection counted that step already). The load report
+        carries it, so that a router sends a prompt to be held only where its prefill fits."""
+        target, step = self.config.tpot_target_s, self.step_s
+        if target is None or step is None:
+            return None
+        return stall_budget_s(self._tpot_rows(time.monotonic_ns()), step, target,
+                              HOLD_TPOT_SHARE)
 
     def _paced_gap_s(self) -> float:
         """The gap the paced steps keep (module doc): the ITL target; with a TTFT target, longer
@@ -621,13 +652,17 @@ class DecodeEngine:
         cost = self._piece_cost(end - start)
         if target is None or self.step_s is None or cost is None:
             return True
-        running = [((now - s.first_token_ns) / 1e9, len(s.generated), s.max_tokens)
-                   for s in list(self.scheduler.running.values()) + list(self.scheduler.ready)]
-        if not piece_costs_a_tpot(running, cost, self.step_s, target):
+        if not piece_costs_a_tpot(self._tpot_rows(now), cost, self.step_s, target):
             return True
         if self.metrics is not None:
             self.metrics.deferred_pieces_total.inc()
         return False
+
+    def _tpot_rows(self, now_ns: int) -> list[tuple[float, int, int]]:
+        """(seconds since its first token, tokens it has, max_tokens) of each running or ready
+        sequence: what a TPOT target is judged on (scheduler.stall_budget_s)."""
+        seqs = list(self.scheduler.running.values()) + list(self.scheduler.ready)
+        return [((now_ns - s.first_token_ns) / 1e9, len(s.generated), s.max_tokens) for s in seqs]
 
     def _local_piece(self, piece: tuple[Sequence, int, int]) -> bool:
         """The planned piece of a local prefill; True when the running batch's decode step rode

@@ -83,17 +83,29 @@ def piece_costs_a_tpot(running: Iterable[tuple[float, int, int]], piece_s: float
                        target_s: float) -> bool:
     """Whether running a prefill piece now (delaying every running sequence's next token by
     ``piece_s``) would make some sequence miss a time-per-output-token target it would meet
-    without it.
+    without it (stall_budget_s: the piece is longer than the budget)."""
+    budget = stall_budget_s(running, step_s, target_s)
+    return budget is not None and piece_s > budget
+
+
+def stall_budget_s(running: Iterable[tuple[float, int, int]], step_s: float, target_s: float,
+                   share: float = 1.0) -> float | None:
+    """The longest stall every running sequence can take now (all its tokens delayed by it)
+    and still keep its time per output token within ``share`` of ``target_s``; None when no
+    sequence limits it.
 
     ``running``: (seconds since the sequence's first token, tokens it has, tokens it may have:
     max_tokens) per sequence. A sequence's TPOT is (last token's time - first's) / (tokens - 1);
-    projected with its remaining tokens at ``step_s`` each, with and without the piece. A
-    sequence that misses the target either way does not hold the piece back (nothing saves it;
-    the waiting prompt's first token still can be saved)."""
+    projected with its remaining tokens at ``step_s`` each (to max_tokens: a sequence that stops
+    earlier at EOS spreads the stall over fewer tokens). A sequence that misses the target even
+    without a stall does not limit it (nothing saves it), nor does one with no gap left."""
+    budget = None
     for elapsed, have, total in running:
         if have < 1 or total < 2 or have >= total:
             continue
-        without = (elapsed + (total - have) * step_s) / (total - 1)
-        if without <= target_s < without + piece_s / (total - 1):
-            return True
-    return False
+        projected = elapsed + (total - have) * step_s
+        if projected > target_s * (total - 1):
+            continue
+        left = share * target_s * (total - 1) - projected
+        budget = left if budget is None else min(budget, left)
+    return budget

@@ -163,6 +163,7 @@ def load_from_proto(msg: pb.WorkerLoad) -> WorkerLoad:
         fingerprint=msg.fingerprint if msg.HasField("fingerprint") else None,
         prefill_tokens_per_s=msg.prefill_tokens_per_s, received_ns=time.monotonic_ns(),
         whole_core_prefill_tokens_per_s=msg.whole_core_prefill_tokens_per_s,
+        hold_budget_s=msg.hold_budget_s if msg.HasField("hold_budget_s") else None,
         prefix_cache=(common.cache_report_from_proto(msg.prefix_cache)
                       if msg.HasField("prefix_cache") else None))
 

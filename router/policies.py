@@ -46,6 +46,8 @@ class WorkerLoad:
     prefill_tokens_per_s: float = 0.0  # measured; 0 until the worker has prefilled something
     # decode workers with a local prefill thread: its rate with the core to itself (0: none)
     whole_core_prefill_tokens_per_s: float = 0.0
+    # how long it could hold its steps now within its TPOT target (None: nothing limits it)
+    hold_budget_s: float | None = None
     # when the router took this snapshot (time.monotonic_ns(); 0: unknown): the tokens ahead
     # are counted down from it at prefill_tokens_per_s, on the router's own clock
     received_ns: int = field(default=0, compare=False)
@@ -156,7 +158,10 @@ class LocalPrefillRule:
     (whole_core_prefill_tokens_per_s, its local prompts ahead first), would finish it within
     that and sooner: the second core takes a long prompt the busy prefill worker would make
     late, at the cost of one long gap in each running stream (BENCHMARKS.md, issue 4, session
-    69: two long prompts a few seconds apart are what a one-core prefill pool misses)."""
+    69: two long prompts a few seconds apart are what a one-core prefill pool misses), and
+    only where that gap fits the decode worker's reported hold_budget_s: the stall its running
+    streams can take within their TPOT target (held prompts chained in a burst of long ones
+    made six streams that had met their TTFT miss their TPOT in session 69)."""
 
     max_tokens: int = 0
     queue_tokens: int = 0
@@ -210,7 +215,8 @@ class LocalPrefillRule:
                 or remote <= self.hold_ttft_s:
             return LocalChoice(False, None, remote)
         local = (tokens_ahead_at(load, now) + prompt_len) / load.whole_core_prefill_tokens_per_s
-        held = local <= self.hold_ttft_s and local < remote
+        budget = load.hold_budget_s
+        held = local <= self.hold_ttft_s and local < remote and (budget is None or local <= budget)
         return LocalChoice(held, local, remote, hold_steps=held)
 
 

@@ -144,6 +144,7 @@ def test_a_prompt_sent_to_hold_the_steps_has_the_core_until_it_is_prefilled(tiny
         assert [o.token_id for o in first] == greedy(reference, short.job.prompt_ids, 40)
         assert [o.token_id for o in second] == greedy(reference, prompt, 20)
         assert engine._pace_s() == 0.0
+        assert engine.load()["hold_budget_s"] is None  # no TPOT target: nothing limits a hold
         whole = engine.load()["whole_core_prefill_tokens_per_s"]
         assert whole == pytest.approx(engine._background.core_rate.tokens_per_s) and whole > 0
     finally:
@@ -153,6 +154,58 @@ def test_a_prompt_sent_to_hold_the_steps_has_the_core_until_it_is_prefilled(tiny
                                          "--max-model-len", "512", "--kv-blocks", "64"]))[1]
     assert inline.load()["whole_core_prefill_tokens_per_s"] == 0.0
     assert inline._pace_s() == 0.0
+
+
+def test_a_hold_lasts_only_while_the_running_streams_can_meet_their_tpot_target(
+        tiny_chat_model, reference):
+    """With a TPOT target (--tpot-target-ms) a prompt sent with hold_steps_for_prefill holds the
+    steps only while every running stream would still end within HOLD_TPOT_SHARE of it
+    (hold_budget_s, in the load report too), then the stream steps beside the prefill; a stream
+    that would miss the target anyway does not stop a hold. Both streams still get
+    transformers' greedy tokens."""
+    from decode_service.engine import HOLD_POLL_S, HOLD_TPOT_SHARE
+    engine = build(tiny_chat_model, "--tpot-target-ms", "100")
+    try:
+        first, second = [], []
+        short = admit(engine, "short", [1, 504, 3458, 282, 4649, 314], 40, first)
+        turn_until(engine, lambda: len(first) >= 3 and engine.step_s is not None)
+        gate, entered, restore = hold_pieces(engine)
+        prompt = list(range(300, 500))
+        job = DecodeJob("long", tuple(prompt), GREEDY, StopOptions(20, ignore_eos=True),
+                        hold_steps_for_prefill=True)
+        long = engine.admit(job, 20, second.append)
+        engine.submit_local_prefill(long)
+        engine._iterate()  # hands the prompt to the thread
+        assert entered.wait(30)
+
+        def budget_to(seconds):  # date the stream's first token so that this much is left
+            allowed = HOLD_TPOT_SHARE * 0.1 * (40 - 1)
+            projected = allowed - seconds
+            elapsed = projected - (40 - len(short.generated)) * engine.step_s
+            short.first_token_ns = time.monotonic_ns() - int(elapsed * 1e9)
+
+        budget_to(1.0)
+        assert engine.load()["hold_budget_s"] == pytest.approx(1.0, abs=0.05)
+        before = len(first)
+        for _ in range(5):
+            engine._iterate()
+        assert len(first) == before and engine._pace_s() == HOLD_POLL_S  # held
+        budget_to(0.02)  # less than a poll left: held that long
+        assert engine._pace_s() == pytest.approx(0.02, abs=0.01)
+        budget_to(-0.1)  # spent: the stream steps while the prompt is still being prefilled
+        assert engine.load()["hold_budget_s"] < 0 and engine._pace_s() == 0.0
+        for _ in range(3):
+            engine._iterate()
+        assert len(first) == before + 3 and long.prefilled < len(prompt)
+        budget_to(-0.5)  # past the target itself: nothing saves it, the hold goes on
+        assert engine.load()["hold_budget_s"] is None and engine._pace_s() == HOLD_POLL_S
+        restore()
+        gate.set()
+        turn_until(engine, lambda: short.finished and long.finished)
+        assert [o.token_id for o in first] == greedy(reference, short.job.prompt_ids, 40)
+        assert [o.token_id for o in second] == greedy(reference, prompt, 20)
+    finally:
+        engine.stop()
 
 
 def test_an_itl_target_paces_the_steps_while_a_local_prefill_runs(tiny_chat_model):

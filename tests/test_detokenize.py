@@ -1,7 +1,8 @@
 """Incremental detokenization and stop strings: exact text, multi-byte characters, hold-back."""
 import pytest
 
-from decode_service.scheduler import DecodeScheduler, piece_costs_a_tpot, split_by_length
+from decode_service.scheduler import (DecodeScheduler, piece_costs_a_tpot, split_by_length,
+                                      stall_budget_s)
 from nxdi_common.serving.detokenize import IncrementalDetokenizer, OutputText, StopStringMatcher
 
 
@@ -112,3 +113,20 @@ def test_a_piece_waits_only_for_a_sequence_it_would_push_over_the_tpot_target():
     # nothing to project: no first token yet, a one-token request, one already done
     assert not piece_costs_a_tpot([(0.0, 0, 20), (0.0, 1, 1), (3.0, 20, 20)], 5.0, step, target)
     assert not piece_costs_a_tpot([], 5.0, step, target)
+
+
+def test_the_stall_budget_is_what_the_tightest_sequence_can_take_within_the_tpot_target():
+    """stall_budget_s: the least, over the sequences that would meet the target, of the stall
+    that keeps their projected TPOT within ``share`` of it; None when none limits it."""
+    step, target = 0.02, 0.1
+    # 10 of 20 tokens in 0.9 s: projected 1.1 s of the 1.9 s that 19 gaps at 100 ms allow
+    assert stall_budget_s([(0.9, 10, 20)], step, target) == pytest.approx(0.8)
+    assert stall_budget_s([(0.9, 10, 20)], step, target, share=0.9) == pytest.approx(0.61)
+    # the tightest sequence sets it; one with many tokens to share a stall has more room
+    assert stall_budget_s([(0.9, 10, 200), (0.9, 10, 20)], step, target) == pytest.approx(0.8)
+    assert stall_budget_s([(0.9, 10, 200)], step, target) == pytest.approx(19.9 - 0.9 - 3.8)
+    # within the target but not its share: none left (below 0); missing it anyway: no limit
+    assert stall_budget_s([(1.6, 10, 20)], step, target, share=0.9) == pytest.approx(-0.09)
+    assert stall_budget_s([(2.5, 10, 20)], step, target) is None
+    assert stall_budget_s([(0.0, 0, 20), (0.0, 1, 1), (3.0, 20, 20)], step, target) is None
+    assert stall_budget_s([], step, target) is None

@@ -880,10 +880,12 @@ def test_local_prefill_goes_where_the_prompt_would_be_prefilled_first():
 
 
 
-def whole_core(address, rate, whole, received_ns, queued=0):
-    """A decode worker reporting its paced local rate and its whole core's."""
+def whole_core(address, rate, whole, received_ns, queued=0, hold_budget=None):
+    """A decode worker reporting its paced local rate and its whole core's (and the stall its
+    running streams can take within their TPOT target)."""
     load = WorkerLoad(queued_prompt_tokens=queued, role=DECODE, prefill_tokens_per_s=rate,
-                      received_ns=received_ns, whole_core_prefill_tokens_per_s=whole)
+                      received_ns=received_ns, whole_core_prefill_tokens_per_s=whole,
+                      hold_budget_s=hold_budget)
     return WorkerState(address, DECODE, True, load, "")
 
 
@@ -924,6 +926,31 @@ def test_a_long_prompt_the_prefill_pool_would_make_late_goes_local_with_the_step
     assert not convert.decode_request(req, ["p1:1"]).hold_steps_for_prefill
     report = pb.WorkerLoad(role=pb.WORKER_ROLE_DECODE, whole_core_prefill_tokens_per_s=650.0)
     assert convert.load_from_proto(report).whole_core_prefill_tokens_per_s == 650.0
+
+
+def test_a_prompt_is_held_only_where_its_prefill_fits_the_streams_tpot_budget():
+    """hold_budget_s: a decode worker reports the stall its running streams can take within
+    their TPOT target; the rule holds its steps for a prompt only where the prompt (with the
+    local prompts ahead) ends within it, and sends it to the pool otherwise. A worker that
+    reports none (nothing limits it, or an older worker) is held as before; the field travels
+    through the load report, absent and present (0 and below included)."""
+    s = 10**9
+    rule = LocalPrefillRule(max_tokens=512, queue_tokens=1024, hold_ttft_s=3.5)
+    busy = rated("p1:1", PREFILL, 600.0, received_ns=100 * s, running=1500)  # 4.83 s remote
+    for budget, held in ((None, True), (2.5, True), (2.0, True), (1.9, False), (0.0, False),
+                         (-1.0, False)):
+        decode = whole_core("d1:1", 200.0, 700.0, received_ns=100 * s, hold_budget=budget)
+        choice = rule.choose(1400, [busy], decode, now_ns=100 * s)  # 2.0 s held
+        assert (choice.local, choice.hold_steps) == (held, held), budget
+        assert choice.local_eta_s == pytest.approx(2.0)
+    # the local prompts ahead are held too: they count against the budget
+    ahead = whole_core("d1:1", 200.0, 700.0, received_ns=100 * s, queued=700, hold_budget=2.5)
+    assert not rule.choose(1400, [busy], ahead, now_ns=100 * s).local  # 3.0 s > 2.5
+    assert convert.load_from_proto(pb.WorkerLoad(role=pb.WORKER_ROLE_DECODE)).hold_budget_s \
+        is None
+    for budget in (1.25, 0.0, -0.5):
+        report = pb.WorkerLoad(role=pb.WORKER_ROLE_DECODE, hold_budget_s=budget)
+        assert convert.load_from_proto(report).hold_budget_s == budget
 
 
 def test_the_local_prefill_rule_reports_both_sides_estimates():

@@ -471,7 +471,7 @@ class PrefixCacheReport(_message.Message):
     def __init__(self, instance: _Optional[int] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "address", "fingerprint", "queued_prompt_tokens", "queued_requests", "running_sequences", "max_running_sequences", "kv_blocks_used", "kv_blocks_free", "kv_block_size", "open_transfers", "reported_at_unix_ns", "running_prompt_tokens", "prefill_tokens_per_s", "prefix_cache", "whole_core_prefill_tokens_per_s")
+    __slots__ = ("role", "address", "fingerprint", "queued_prompt_tokens", "queued_requests", "running_sequences", "max_running_sequences", "kv_blocks_used", "kv_blocks_free", "kv_block_size", "open_transfers", "reported_at_unix_ns", "running_prompt_tokens", "prefill_tokens_per_s", "prefix_cache", "whole_core_prefill_tokens_per_s", "hold_budget_s")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -488,6 +488,7 @@ class WorkerLoad(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     WHOLE_CORE_PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    HOLD_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     address: str
     fingerprint: ModelFingerprint
@@ -504,4 +505,5 @@ class WorkerLoad(_message.Message):
     prefill_tokens_per_s: float
     prefix_cache: PrefixCacheReport
     whole_core_prefill_tokens_per_s: float
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_sequences: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., open_transfers: _Optional[int] = ..., reported_at_unix_ns: _Optional[int] = ..., running_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCacheReport, _Mapping]] = ..., whole_core_prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    hold_budget_s: float
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., queued_prompt_tokens: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_sequences: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., open_transfers: _Optional[int] = ..., reported_at_unix_ns: _Optional[int] = ..., running_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCacheReport, _Mapping]] = ..., whole_core_prefill_tokens_per_s: _Optional[float] = ..., hold_budget_s: _Optional[float] = ...) -> None: ...
