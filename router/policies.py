@@ -158,10 +158,11 @@ class LocalPrefillRule:
     (whole_core_prefill_tokens_per_s, its local prompts ahead first), would finish it within
     that and sooner: the second core takes a long prompt the busy prefill worker would make
     late, at the cost of one long gap in each running stream (BENCHMARKS.md, issue 4, session
-    69: two long prompts a few seconds apart are what a one-core prefill pool misses), and
-    only where that gap fits the decode worker's reported hold_budget_s: the stall its running
-    streams can take within their TPOT target (held prompts chained in a burst of long ones
-    made six streams that had met their TTFT miss their TPOT in session 69)."""
+    69: two long prompts a few seconds apart are what a one-core prefill pool misses). The
+    steps are held only as long as the decode worker's reported hold_budget_s, the stall its
+    running streams can take within their TPOT target (held prompts chained in a burst of
+    long ones made six streams that had met their TTFT miss their TPOT in session 69); past
+    it the prompt goes on at the worker's paced rate (held_eta_s)."""
 
     max_tokens: int = 0
     queue_tokens: int = 0
@@ -214,10 +215,23 @@ class LocalPrefillRule:
         if load.whole_core_prefill_tokens_per_s <= 0 or remote is None \
                 or remote <= self.hold_ttft_s:
             return LocalChoice(False, None, remote)
-        local = (tokens_ahead_at(load, now) + prompt_len) / load.whole_core_prefill_tokens_per_s
-        budget = load.hold_budget_s
-        held = local <= self.hold_ttft_s and local < remote and (budget is None or local <= budget)
+        local = held_eta_s(load, tokens_ahead_at(load, now) + prompt_len)
+        held = local is not None and local <= self.hold_ttft_s and local < remote
         return LocalChoice(held, local, remote, hold_steps=held)
+
+
+def held_eta_s(load: WorkerLoad, tokens: int) -> float | None:
+    """Seconds a decode worker takes to prefill ``tokens`` with its steps held: at its whole
+    core's rate while its hold_budget_s lasts, then at its paced local rate
+    (prefill_tokens_per_s), as its engine steps again once the streams' TPOT budget is spent;
+    None where that rate is needed and not known."""
+    whole, budget = load.whole_core_prefill_tokens_per_s, load.hold_budget_s
+    if budget is None or tokens <= max(budget, 0.0) * whole:
+        return tokens / whole
+    if load.prefill_tokens_per_s <= 0:
+        return None
+    budget = max(budget, 0.0)
+    return budget + (tokens - budget * whole) / load.prefill_tokens_per_s
 
 
 def _soonest(prefills: Sequence[WorkerState], prompt_len: int, now: int) -> float | None:

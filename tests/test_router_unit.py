@@ -930,22 +930,29 @@ def test_a_long_prompt_the_prefill_pool_would_make_late_goes_local_with_the_step
 
 def test_a_prompt_is_held_only_where_its_prefill_fits_the_streams_tpot_budget():
     """hold_budget_s: a decode worker reports the stall its running streams can take within
-    their TPOT target; the rule holds its steps for a prompt only where the prompt (with the
-    local prompts ahead) ends within it, and sends it to the pool otherwise. A worker that
-    reports none (nothing limits it, or an older worker) is held as before; the field travels
-    through the load report, absent and present (0 and below included)."""
+    their TPOT target; a held prompt (with the local prompts ahead) goes at the whole core's
+    rate for that long and at the paced local rate after it (held_eta_s), and is held only
+    where that still ends within hold_ttft_s. A worker that reports none (nothing limits it,
+    or an older worker) is weighed at its whole core's rate; the field travels through the
+    load report, absent and present (0 and below included)."""
     s = 10**9
     rule = LocalPrefillRule(max_tokens=512, queue_tokens=1024, hold_ttft_s=3.5)
     busy = rated("p1:1", PREFILL, 600.0, received_ns=100 * s, running=1500)  # 4.83 s remote
-    for budget, held in ((None, True), (2.5, True), (2.0, True), (1.9, False), (0.0, False),
-                         (-1.0, False)):
+    # 1400 tokens, whole core 700 tok/s (2.0 s), paced 200 tok/s
+    for budget, eta in ((None, 2.0), (2.5, 2.0), (2.0, 2.0), (1.5, 1.5 + 350 / 200),
+                        (1.0, 1.0 + 700 / 200), (0.0, 1400 / 200), (-1.0, 1400 / 200)):
         decode = whole_core("d1:1", 200.0, 700.0, received_ns=100 * s, hold_budget=budget)
-        choice = rule.choose(1400, [busy], decode, now_ns=100 * s)  # 2.0 s held
-        assert (choice.local, choice.hold_steps) == (held, held), budget
-        assert choice.local_eta_s == pytest.approx(2.0)
+        choice = rule.choose(1400, [busy], decode, now_ns=100 * s)
+        assert choice.local_eta_s == pytest.approx(eta), budget
+        assert (choice.local, choice.hold_steps) == (eta <= 3.5,) * 2, budget
     # the local prompts ahead are held too: they count against the budget
     ahead = whole_core("d1:1", 200.0, 700.0, received_ns=100 * s, queued=700, hold_budget=2.5)
-    assert not rule.choose(1400, [busy], ahead, now_ns=100 * s).local  # 3.0 s > 2.5
+    choice = rule.choose(1400, [busy], ahead, now_ns=100 * s)
+    assert not choice.local and choice.local_eta_s == pytest.approx(2.5 + 350 / 200)
+    # past the budget with no paced rate known: not weighed, not held
+    unpaced = whole_core("d1:1", 0.0, 700.0, received_ns=100 * s, hold_budget=1.0)
+    choice = rule.choose(1400, [busy], unpaced, now_ns=100 * s)
+    assert not choice.local and choice.note() == "local:-,prefill:4.83s"
     assert convert.load_from_proto(pb.WorkerLoad(role=pb.WORKER_ROLE_DECODE)).hold_budget_s \
         is None
     for budget in (1.25, 0.0, -0.5):
