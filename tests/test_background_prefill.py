@@ -96,6 +96,23 @@ def test_streams_step_while_a_prompt_is_prefilled_beside_them(tiny_chat_model, r
         engine.stop()
 
 
+def hold_beside_a_stream(engine, first: list, second: list):
+    """A 40-token stream ("short", tokens to ``first``) running with a step measured, then a
+    200-token prompt sent with hold_steps_for_prefill ("long", to ``second``) whose first piece
+    has entered the thread and waits at the gate; returns (short, long, prompt, gate, restore)."""
+    short = admit(engine, "short", [1, 504, 3458, 282, 4649, 314], 40, first)
+    turn_until(engine, lambda: len(first) >= 3 and engine.step_s is not None)
+    gate, entered, restore = hold_pieces(engine)
+    prompt = list(range(300, 500))
+    job = DecodeJob("long", tuple(prompt), GREEDY, StopOptions(20, ignore_eos=True),
+                    hold_steps_for_prefill=True)
+    long = engine.admit(job, 20, second.append)
+    engine.submit_local_prefill(long)
+    engine._iterate()  # hands the prompt to the thread
+    assert entered.wait(30)
+    return short, long, prompt, gate, restore
+
+
 def test_a_prompt_sent_to_hold_the_steps_has_the_core_until_it_is_prefilled(tiny_chat_model,
                                                                            reference):
     """DecodeRequest.hold_steps_for_prefill: while that prompt waits or runs on the thread no
@@ -107,16 +124,7 @@ def test_a_prompt_sent_to_hold_the_steps_has_the_core_until_it_is_prefilled(tiny
     engine = build(tiny_chat_model)
     try:
         first, second = [], []
-        short = admit(engine, "short", [1, 504, 3458, 282, 4649, 314], 40, first)
-        turn_until(engine, lambda: len(first) >= 2)
-        gate, entered, restore = hold_pieces(engine)
-        prompt = list(range(300, 500))
-        job = DecodeJob("long", tuple(prompt), GREEDY, StopOptions(20, ignore_eos=True),
-                        hold_steps_for_prefill=True)
-        long = engine.admit(job, 20, second.append)
-        engine.submit_local_prefill(long)
-        engine._iterate()  # hands the prompt to the thread
-        assert entered.wait(30)
+        short, long, prompt, gate, restore = hold_beside_a_stream(engine, first, second)
         before = len(first)
         for _ in range(5):
             engine._iterate()
@@ -167,16 +175,7 @@ def test_a_hold_lasts_only_while_the_running_streams_can_meet_their_tpot_target(
     engine = build(tiny_chat_model, "--tpot-target-ms", "100")
     try:
         first, second = [], []
-        short = admit(engine, "short", [1, 504, 3458, 282, 4649, 314], 40, first)
-        turn_until(engine, lambda: len(first) >= 3 and engine.step_s is not None)
-        gate, entered, restore = hold_pieces(engine)
-        prompt = list(range(300, 500))
-        job = DecodeJob("long", tuple(prompt), GREEDY, StopOptions(20, ignore_eos=True),
-                        hold_steps_for_prefill=True)
-        long = engine.admit(job, 20, second.append)
-        engine.submit_local_prefill(long)
-        engine._iterate()  # hands the prompt to the thread
-        assert entered.wait(30)
+        short, long, prompt, gate, restore = hold_beside_a_stream(engine, first, second)
 
         def budget_to(seconds):  # date the stream's first token so that this much is left
             allowed = HOLD_TPOT_SHARE * 0.1 * (40 - 1)
