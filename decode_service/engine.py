@@ -253,6 +253,8 @@ class DecodeEngine:
         self._pacer = (None if config.itl_target_s is None or self._background is None
                        else StepPacer(config.itl_target_s))  # _pace_s
         self._paused_s = 0.0  # paced pauses since the last step (EngineConfig.log_steps)
+        # a local prompt asks for the steps held and the streams' TPOT budget is spent (_held_s)
+        self._past_budget = False
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -506,6 +508,8 @@ class DecodeEngine:
         if held:
             for seq in self.scheduler.ready:  # their first tokens need not wait out the hold
                 seq.release_first()
+            if self.metrics is not None:
+                self.metrics.held_step_seconds_total.inc(held)
             return held
         if self._pacer is None or not len(self._background):
             return 0.0
@@ -519,6 +523,7 @@ class DecodeEngine:
         the prompt's length instead of the many stretched ones of a paced share. 0 otherwise
         (and without the thread, where the flag is not honoured); with a TPOT target for no
         longer than hold_budget_s."""
+        self._past_budget = False
         if self._background is None:
             return 0.0
         now = time.monotonic_ns()
@@ -527,9 +532,10 @@ class DecodeEngine:
         if not held:
             return 0.0
         budget = self.hold_budget_s()
+        self._past_budget = budget is not None and budget < HOLD_MIN_S
         if budget is None:
             return HOLD_POLL_S
-        return min(HOLD_POLL_S, budget) if budget >= HOLD_MIN_S else 0.0
+        return 0.0 if self._past_budget else min(HOLD_POLL_S, budget)
 
     def hold_budget_s(self) -> float | None:
         """With a TPOT target: how long the steps can be held now with every running stream
@@ -705,6 +711,8 @@ class DecodeEngine:
                 self.metrics.decode_step_duration_seconds.observe(ended - began)
                 self.metrics.decode_steps_total.inc()
                 self.metrics.token_generation_calls_total.inc(len(groups))
+                if self._past_budget:  # beside a prompt that asked for the steps held
+                    self.metrics.hold_budget_steps_total.inc()
 
     def _log_step(self, seconds: float, rows: int, calls: int) -> None:
         """EngineConfig.log_steps: one line for the step that just ended (the pauses before it

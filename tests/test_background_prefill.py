@@ -191,11 +191,15 @@ def test_a_hold_lasts_only_while_the_running_streams_can_meet_their_tpot_target(
         assert len(first) == before and engine._pace_s() == HOLD_POLL_S  # held
         budget_to(0.02)  # less than a poll left: held that long
         assert engine._pace_s() == pytest.approx(0.02, abs=0.01)
+        held_s = engine.metrics.value("nxdi_held_step_seconds_total")
+        assert held_s >= 5 * HOLD_POLL_S  # the five turns held above, at least
         budget_to(-0.1)  # spent: the stream steps while the prompt is still being prefilled
         assert engine.load()["hold_budget_s"] < 0 and engine._pace_s() == 0.0
         for _ in range(3):
             engine._iterate()
         assert len(first) == before + 3 and long.prefilled < len(prompt)
+        assert engine.metrics.value("nxdi_hold_budget_steps_total") == 3
+        assert engine.metrics.value("nxdi_held_step_seconds_total") == held_s
         budget_to(-0.5)  # past the target itself: nothing saves it, the hold goes on
         assert engine.load()["hold_budget_s"] is None and engine._pace_s() == HOLD_POLL_S
         restore()

@@ -70,6 +70,10 @@ COUNTERS = (  # prometheus_client adds the "_total" suffix in the exposition
      "(counted in decode_steps too, not in token_generation_calls)"),
     ("deferred_pieces", "Decode steps run without the waiting local prefill's next piece, "
      "which would have put a running sequence over the TPOT target (--tpot-target-ms)"),
+    ("held_step_seconds", "Seconds a decode worker held its steps for a local prompt sent "
+     "with hold_steps_for_prefill (the router's --local-prefill-hold-ttft-seconds)"),
+    ("hold_budget_steps", "Decode steps run while a local prompt asked for the steps to be "
+     "held, because a running sequence's TPOT budget was spent (--tpot-target-ms)"),
     ("kv_socket_transfers", "KV transfers sent on a direct TCP connection (KV socket) instead "
      "of the gRPC stream"),
     ("kv_socket_fallbacks", "KV transfers whose KV socket offer was not claimed in time, so "
@@ -121,7 +125,7 @@ class ServingMetrics:
     ``prefill_tokens_per_second``; counters ``kv_transfer_bytes_total``,
     ``generated_tokens_total``, ``prompt_tokens_total``, ``decode_steps_total``,
     ``token_generation_calls_total``, ``mixed_steps_total``, ``deferred_pieces_total``,
-    ``kv_socket_transfers_total``,
+    ``held_step_seconds_total``, ``hold_budget_steps_total``, ``kv_socket_transfers_total``,
     ``kv_socket_fallbacks_total``, ``kv_pull_failovers_total``, ``prefix_cache_hit_tokens_total``,
     ``local_prefills_total``; and ``requests_total``, an
     :class:`OutcomeCounter` (``requests_total.inc("ok")``)."""
