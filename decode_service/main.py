@@ -117,8 +117,11 @@ def _add_local_prefill_args(p) -> None:
                    "gets while streams run)")
     p.add_argument("--tpot-target-ms", type=float, default=None, metavar="MS",
                    help="a local prefill piece waits while it would put a running sequence over "
-                   "this time per output token that it would otherwise meet (e.g. the TPOT SLO); "
-                   "default: a piece every step while a prompt waits")
+                   "this time per output token that it would otherwise meet (e.g. the TPOT SLO), "
+                   "and a prompt sent to hold the steps (the router's "
+                   "--local-prefill-hold-ttft-seconds) holds them only while every running "
+                   "sequence would still end within 90%% of it; default: a piece every step "
+                   "while a prompt waits, holds limited only by time")
     p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
                    help="with sequences running, a local prefill piece is sized so that the step "
                    "it rides in stays within MS: the largest of --piece-sizes whose measured "
