@@ -27,6 +27,8 @@ EXPECTED_FAMILIES = {
     "nxdi_token_generation_calls": "counter",
     "nxdi_mixed_steps": "counter",
     "nxdi_deferred_pieces": "counter",
+    "nxdi_held_step_seconds": "counter",
+    "nxdi_hold_budget_steps": "counter",
     "nxdi_kv_socket_transfers": "counter",
     "nxdi_kv_socket_fallbacks": "counter",
     "nxdi_kv_pull_failovers": "counter",
