@@ -225,12 +225,14 @@ def held_eta_s(load: WorkerLoad, tokens: int) -> float | None:
     core's rate while its hold_budget_s lasts, then at its paced local rate
     (prefill_tokens_per_s), as its engine steps again once the streams' TPOT budget is spent;
     None where that rate is needed and not known."""
-    whole, budget = load.whole_core_prefill_tokens_per_s, load.hold_budget_s
-    if budget is None or tokens <= max(budget, 0.0) * whole:
+    whole = load.whole_core_prefill_tokens_per_s
+    if load.hold_budget_s is None:
+        return tokens / whole
+    budget = max(load.hold_budget_s, 0.0)
+    if tokens <= budget * whole:
         return tokens / whole
     if load.prefill_tokens_per_s <= 0:
         return None
-    budget = max(budget, 0.0)
     return budget + (tokens - budget * whole) / load.prefill_tokens_per_s
 
 
