@@ -69,6 +69,8 @@ def main(argv=None) -> int:
                    help="steps whose rows have different lengths, e.g. 7x256+1x2048")
     p.add_argument("--max-batch", type=int, default=16,
                    help="the decode worker's --max-batch-size (largest TKG batch bucket)")
+    p.add_argument("--batch-buckets", type=int, nargs="+",
+                   help="TKG batch buckets (as the decode worker's --batch-buckets; default its own)")
     p.add_argument("--quantize", choices=("int8",), help="int8 weights, as --quantize on a worker")
     p.add_argument("--attention-kernel", choices=("auto", "paged", "sdpa"), default="auto")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
@@ -78,7 +80,8 @@ def main(argv=None) -> int:
     opts = ModelOptions(threads=args.threads, quantize=args.quantize,
                         attention_kernel=args.attention_kernel,
                         kv_cache_dtype=args.kv_cache_dtype)
-    model = load_model(opts, decode_neuron_config(opts, args.max_batch, BLOCKS, BLOCK))
+    model = load_model(opts, decode_neuron_config(opts, args.max_batch, BLOCKS, BLOCK,
+                                                      batch_buckets=args.batch_buckets))
     shapes = [[n] * b for b in args.batches for n in args.lengths] + args.mixes
     print(f"attention: {model.attention_kernel}; TKG batch buckets "
           f"{model.token_generation_model.batch_buckets}, length buckets "

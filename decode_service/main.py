@@ -48,6 +48,11 @@ def parse_args(argv=None):
     worker.add_server_args(p)
     worker.add_model_args(p)
     p.add_argument("--max-batch-size", type=int, default=8, help="largest running batch")
+    p.add_argument("--batch-buckets", type=parse_buckets, default=None, metavar="N,N,...",
+                   help="the running batch sizes a decode step is padded to (one graph each), "
+                   "ascending, ending at --max-batch-size; default: 1, 2, 4, then every doubling "
+                   "in four steps (5, 6, 7, 8, 10, 12, ...), so a step pads under a quarter of "
+                   "its rows")
     p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -173,7 +178,8 @@ def build(args):
     _check_args(args)
     opts = worker.model_options_from_args(args)
     nc = worker.decode_neuron_config(opts, args.max_batch_size, args.kv_blocks, args.block_size,
-                                     args.prefill_chunk_tokens, _piece_sizes(args))
+                                     args.prefill_chunk_tokens, _piece_sizes(args),
+                                     _batch_buckets(args))
     # the model loads, and the engine loop runs, on one thread (nxdi_common/serving/compute.py)
     compute = ComputeThread(opts.threads, "decode-engine")
     model = compute.call(worker.load_model, opts, nc)
@@ -224,6 +230,21 @@ def _piece_sizes(args) -> tuple[int, ...] | None:
         raise SystemExit(f"--piece-sizes must end at --prefill-chunk-tokens ({chunk}), got "
                          f"{sizes}")
     return tuple(sizes)
+
+
+def _batch_buckets(args) -> list[int] | None:
+    """The checked --batch-buckets (None: decode_batch_buckets' default)."""
+    if args.batch_buckets is None:
+        return None
+    try:
+        buckets = validate_buckets(args.batch_buckets, args.max_batch_size, "--batch-buckets",
+                                   "--max-batch-size")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if buckets[-1] != args.max_batch_size:
+        raise SystemExit(f"--batch-buckets must end at --max-batch-size "
+                         f"({args.max_batch_size}), got {buckets}")
+    return buckets
 
 
 async def serve(args) -> None:

@@ -76,6 +76,16 @@ def prefill_buckets(min_length: int, max_length: int, halves_from: int = 128,
     return _split_buckets(min_length, max_length, parts)
 
 
+def decode_batch_buckets(max_batch: int) -> list[int]:
+    """A decode worker's TKG batch buckets: powers of two to 4, then every doubling in four equal
+    steps, ending at ``max_batch``: ``decode_batch_buckets(32) == [1, 2, 4, 5, 6, 7, 8, 10, 12, 14,
+    16, 20, 24, 28, 32]``. A padded row costs a step about what a real one does once the
+    products stop being bound by the weights' read (one Zen 4 core, 384 positions: 11.2 ms at 1
+    row, 14.2 at 6, 19.5 at 8, 21.5 at 10, 26.5 at 12, 31.9 at 16), so powers of two ran 9 rows
+    at 16 rows' price; here a batch pads by under a quarter. BENCHMARKS.md, issue 4, session 71."""
+    return quartered_buckets(1, max_batch, quarter_from=4)
+
+
 def _split_buckets(min_length: int, max_length: int, parts) -> list[int]:
     """generate_buckets' powers of two with the doubling from each bucket ``size`` split into
     ``parts(size)`` equal steps (1: not split)."""
@@ -168,6 +178,16 @@ def token_generation_batch_buckets(nc: Any) -> list[int]:
     if getattr(nc, "enable_bucketing", False):
         return generate_buckets(1, batch)
     return [batch]
+
+
+def mixed_batch_buckets(nc: Any) -> list[int]:
+    """Decode-row buckets of the mixed sub-models (a prefill piece with a decode batch in one
+    call): the token-generation batch buckets that are powers of two, and the largest. There is
+    one mixed graph per (piece length, rows, cache length) and the piece's tokens dominate its
+    call, so a few padded decode rows cost it little next to the graphs a dense list would add.
+    """
+    buckets = token_generation_batch_buckets(nc)
+    return [b for b in buckets[:-1] if not b & (b - 1)] + buckets[-1:]
 
 
 def select_bucket(length: int, buckets: Sequence[int], what: str = "sequence length",

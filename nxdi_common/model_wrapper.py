@@ -73,7 +73,8 @@ class ModelWrapper:
             self.batch_buckets = [1]
         else:
             self.length_buckets = bucketing.token_generation_buckets(nc)
-            self.batch_buckets = bucketing.token_generation_batch_buckets(nc)
+            self.batch_buckets = (bucketing.mixed_batch_buckets(nc) if self.is_mixed
+                                  else bucketing.token_generation_batch_buckets(nc))
         self.model = None
         self.runnables: dict[tuple[int, int], object] = {}
 

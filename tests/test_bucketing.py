@@ -7,7 +7,9 @@ import pytest
 from nxdi_common.bucketing import (
     PrefixBucketChoice,
     context_encoding_buckets,
+    decode_batch_buckets,
     generate_buckets,
+    mixed_batch_buckets,
     pad_batch_to_bucket,
     pad_to_bucket,
     prefix_caching_bucket_grid,
@@ -144,6 +146,27 @@ def test_tkg_batch_buckets():
     assert token_generation_batch_buckets(nc) == [2, 8]
     with pytest.raises(ValueError, match="token_generation_batch_buckets"):
         token_generation_batch_buckets(config(tkg_batch_size=4, token_generation_batch_buckets=[8]))
+
+
+def test_decode_batch_buckets_pad_a_step_by_under_a_quarter_of_its_rows():
+    assert decode_batch_buckets(32) == [1, 2, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32]
+    assert decode_batch_buckets(8) == [1, 2, 4, 5, 6, 7, 8]
+    assert decode_batch_buckets(12) == [1, 2, 4, 5, 6, 7, 8, 10, 12]
+    assert decode_batch_buckets(3) == [1, 2, 3]
+    assert decode_batch_buckets(1) == [1]
+    for rows in range(5, 65):  # from 5 rows on, a step's padding stays under a quarter
+        padded = select_bucket(rows, decode_batch_buckets(64))
+        assert padded - rows < padded / 4, rows
+
+
+def test_mixed_calls_keep_the_power_of_two_batch_buckets():
+    dense = config(tkg_batch_size=32, token_generation_batch_buckets=decode_batch_buckets(32))
+    assert mixed_batch_buckets(dense) == [1, 2, 4, 8, 16, 32]
+    assert mixed_batch_buckets(config(tkg_batch_size=12, token_generation_batch_buckets=[
+        1, 2, 4, 6, 8, 12])) == [1, 2, 4, 8, 12]
+    assert mixed_batch_buckets(config(tkg_batch_size=6, token_generation_batch_buckets=[3, 6])) \
+        == [6]
+    assert mixed_batch_buckets(config(tkg_batch_size=8)) == [1, 2, 4, 8]
 
 
 # ---- selection and padding -----------------------------------------------------------------

@@ -309,6 +309,26 @@ def test_pieces_grow_where_waiting_local_prompts_would_miss_the_ttft_target(tiny
     assert engine._piece_size() == 4
 
 
+def test_decode_steps_pad_to_dense_batch_buckets_and_bad_ones_are_refused(tiny_chat_model):
+    model = build(tiny_chat_model, "--max-batch-size", "16").model
+    tkg, mixed = model.token_generation_model, model.mixed_model
+    assert tkg.batch_buckets == [1, 2, 4, 5, 6, 7, 8, 10, 12, 14, 16]
+    assert tkg.select_bucket(9, 40) == (10, 256)  # powers of two would run 9 rows as 16
+    assert mixed.batch_buckets == [1, 2, 4, 8, 16]  # one graph per rows, piece and length
+    given = build(tiny_chat_model, "--max-batch-size", "12", "--batch-buckets", "3,12").model
+    assert given.token_generation_model.batch_buckets == [3, 12]
+    assert given.token_generation_model.select_bucket(4, 40) == (12, 256)
+    for extra, message in (
+            (["--batch-buckets", "1,2"], r"--batch-buckets must end at --max-batch-size "
+                                         r"\(4\), got \[1, 2\]"),
+            (["--batch-buckets", "2,1,4"], "--batch-buckets must be strictly increasing"),
+            (["--batch-buckets", "0,4"], "--batch-buckets must hold positive sizes"),
+            (["--batch-buckets", "2,6"], "--batch-buckets has bucket 6 larger than "
+                                         "--max-batch-size 4")):
+        with pytest.raises(SystemExit, match=message):
+            build(tiny_chat_model, *extra)
+
+
 def test_piece_sizes_default_with_the_itl_target_and_bad_ones_are_refused(tiny_chat_model):
     assert main.default_piece_sizes(256) == (16, 32, 64, 128, 256)
     assert main.default_piece_sizes(100) == (16, 32, 64, 100)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nxdi_common.bucketing import (parse_buckets, prefill_buckets, quartered_buckets,
+from nxdi_common.bucketing import (decode_batch_buckets, parse_buckets, prefill_buckets, quartered_buckets,
                                    validate_buckets)
 from nxdi_common.kv_transfer import ModelFingerprint
 from nxdi_common.serving.thread_priority import NICE_RANGE, check_nice, set_process_priority
@@ -244,8 +244,10 @@ def prefill_weight_layout(opts: ModelOptions) -> str:
 
 def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: int,
                          block_size: int, prefill_chunk_tokens: int = 0,
-                         piece_sizes: tuple[int, ...] | None = None):
-    """Block KV cache of num_blocks blocks; TKG batch buckets up to max_batch_size; CTE (local
+                         piece_sizes: tuple[int, ...] | None = None,
+                         batch_buckets: list[int] | None = None):
+    """Block KV cache of num_blocks blocks; TKG batch buckets up to max_batch_size (batch_buckets,
+    else decode_batch_buckets); CTE (local
     prefill) one prompt at a time, in pieces of prefill_chunk_tokens (0: whole; no pieces either
     when a piece would hold any prompt the model takes), beside a running batch in pieces of
     any of piece_sizes (the mixed sub-model's chunk lengths; None: the chunk alone)."""
@@ -255,6 +257,8 @@ def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: in
         if piece_sizes:
             kwargs["mixed_chunk_buckets"] = list(piece_sizes)
     kwargs.update(_paged_token_generation(opts))  # one TKG call per step
+    kwargs["token_generation_batch_buckets"] = list(batch_buckets
+                                                    or decode_batch_buckets(max_batch_size))
     return _neuron_config(opts, max_batch_size=max_batch_size, ctx_batch_size=1,
                           tkg_batch_size=max_batch_size, is_block_kv_layout=True,
                           pa_num_blocks=num_blocks, pa_block_size=block_size,
