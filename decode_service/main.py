@@ -50,9 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--max-batch-size", type=int, default=8, help="largest running batch")
     p.add_argument("--batch-buckets", type=parse_buckets, default=None, metavar="N,N,...",
                    help="the running batch sizes a decode step is padded to (one graph each), "
-                   "ascending, ending at --max-batch-size; default: 1, 2, 4, then every doubling "
-                   "in four steps (5, 6, 7, 8, 10, 12, ...), so a step pads under a quarter of "
-                   "its rows")
+                   "ascending, ending at --max-batch-size; default: 1, 2, 4, 8, then every "
+                   "doubling in four steps (10, 12, 14, 16, 20, ...), so a step of more than 8 "
+                   "rows pads under a quarter of them")
     p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true")

@@ -77,13 +77,14 @@ def prefill_buckets(min_length: int, max_length: int, halves_from: int = 128,
 
 
 def decode_batch_buckets(max_batch: int) -> list[int]:
-    """A decode worker's TKG batch buckets: powers of two to 4, then every doubling in four equal
-    steps, ending at ``max_batch``: ``decode_batch_buckets(32) == [1, 2, 4, 5, 6, 7, 8, 10, 12, 14,
-    16, 20, 24, 28, 32]``. A padded row costs a step about what a real one does once the
-    products stop being bound by the weights' read (one Zen 4 core, 384 positions: 11.2 ms at 1
-    row, 14.2 at 6, 19.5 at 8, 21.5 at 10, 26.5 at 12, 31.9 at 16), so powers of two ran 9 rows
-    at 16 rows' price; here a batch pads by under a quarter. BENCHMARKS.md, issue 4, session 71."""
-    return quartered_buckets(1, max_batch, quarter_from=4)
+    """A decode worker's TKG batch buckets: powers of two to 8, then every doubling in four equal
+    steps, ending at ``max_batch``: ``decode_batch_buckets(32) == [1, 2, 4, 8, 10, 12, 14, 16,
+    20, 24, 28, 32]``. Past 8 rows a step's products are bound by their arithmetic, and a padded
+    row costs about what a real one does: one Zen 4 core, 384 positions, 9-14 rows took 27-30
+    ms a step padded to 16 and 21-28 ms in these buckets; below 8 the weights' read bounds the
+    step and 5-7 rows took the same 15-17 ms in their own buckets as in 8's. BENCHMARKS.md,
+    issue 4, session 71."""
+    return quartered_buckets(1, max_batch, quarter_from=8)
 
 
 def _split_buckets(min_length: int, max_length: int, parts) -> list[int]:

@@ -149,12 +149,12 @@ def test_tkg_batch_buckets():
 
 
 def test_decode_batch_buckets_pad_a_step_by_under_a_quarter_of_its_rows():
-    assert decode_batch_buckets(32) == [1, 2, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32]
-    assert decode_batch_buckets(8) == [1, 2, 4, 5, 6, 7, 8]
-    assert decode_batch_buckets(12) == [1, 2, 4, 5, 6, 7, 8, 10, 12]
-    assert decode_batch_buckets(3) == [1, 2, 3]
+    assert decode_batch_buckets(32) == [1, 2, 4, 8, 10, 12, 14, 16, 20, 24, 28, 32]
+    assert decode_batch_buckets(8) == [1, 2, 4, 8]
+    assert decode_batch_buckets(12) == [1, 2, 4, 8, 10, 12]
+    assert decode_batch_buckets(6) == [1, 2, 4, 6]
     assert decode_batch_buckets(1) == [1]
-    for rows in range(5, 65):  # from 5 rows on, a step's padding stays under a quarter
+    for rows in range(9, 65):  # past 8 rows a step's padding stays under a quarter
         padded = select_bucket(rows, decode_batch_buckets(64))
         assert padded - rows < padded / 4, rows
 
