@@ -47,21 +47,7 @@ def parse_args(argv=None):
                                             "batching over a block KV cache.")
     worker.add_server_args(p)
     worker.add_model_args(p)
-    p.add_argument("--max-batch-size", type=int, default=8, help="largest running batch")
-    p.add_argument("--batch-buckets", type=parse_buckets, default=None, metavar="N,N,...",
-                   help="the running batch sizes a decode step is padded to (one graph each), "
-                   "ascending, ending at --max-batch-size; default: 1, 2, 4, 8, then every "
-                   "doubling in four steps (10, 12, 14, 16, 20, ...), so a step of more than 8 "
-                   "rows pads under a quarter of them")
-    p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--reserve-max-tokens", action="store_true",
-                   help="reserve KV blocks for prompt + max_tokens at admission: never preempts "
-                   "a running sequence, but fewer requests run at once (a request without "
-                   "max_tokens reserves the rest of --max-model-len); default: blocks as tokens "
-                   "come, the newest sequence preempted (KV kept in host memory) when none is "
-                   "free")
+    _add_batch_args(p.add_argument_group("running batch and KV cache"))
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
                    help="prompts up to this length are prefilled here, not pulled")
     p.add_argument("--local-prefill-uncached-tokens", type=int, default=64, metavar="N",
@@ -100,6 +86,24 @@ def parse_args(argv=None):
         p.error(f"--local-prefill-uncached-tokens must be >= 0, got "
                 f"{args.local_prefill_uncached_tokens}")
     return args
+
+
+def _add_batch_args(p) -> None:
+    p.add_argument("--max-batch-size", type=int, default=8, help="largest running batch")
+    p.add_argument("--batch-buckets", type=parse_buckets, default=None, metavar="N,N,...",
+                   help="the running batch sizes a decode step is padded to (one graph each), "
+                   "ascending, ending at --max-batch-size; default: 1, 2, 4, 8, then every "
+                   "doubling in four steps (10, 12, 14, 16, 20, ...), so a step of more than 8 "
+                   "rows pads under a quarter of them")
+    p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--reserve-max-tokens", action="store_true",
+                   help="reserve KV blocks for prompt + max_tokens at admission: never preempts "
+                   "a running sequence, but fewer requests run at once (a request without "
+                   "max_tokens reserves the rest of --max-model-len); default: blocks as tokens "
+                   "come, the newest sequence preempted (KV kept in host memory) when none is "
+                   "free")
 
 
 def _add_local_prefill_args(p) -> None:

@@ -145,6 +145,9 @@ def _server_args(g) -> None:
                    help="pin this load generator to these CPU ids while it drives a "
                         "configuration (every configuration alike); default: not pinned")
     g.add_argument("--decode-max-batch-size", type=int, default=16)
+    g.add_argument("--decode-batch-buckets", type=parse_buckets, default=None, metavar="N,N,...",
+                   help="our decode workers' --batch-buckets (the running batch sizes a step is "
+                        "padded to, ending at --decode-max-batch-size); default: the workers'")
     g.add_argument("--kv-blocks", type=int, default=1024)
     # the prefill worker's ORDERS (prefill_service.scheduler imports torch; a test keeps the two
     # equal)
@@ -358,6 +361,7 @@ def _compare_settings(args):
                           compiled_root=args.compiled_root, quantize=args.quantize,
                           context_buckets=args.context_buckets,
                           decode_max_batch_size=args.decode_max_batch_size,
+                          decode_batch_buckets=args.decode_batch_buckets,
                           kv_blocks=args.kv_blocks,
                           local_prefill_max_tokens=args.local_prefill_max_tokens,
                           local_prefill_queue_tokens=args.local_prefill_queue_tokens,

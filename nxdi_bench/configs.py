@@ -47,6 +47,7 @@ class ServeSettings:
     router_nice: int | None = None  # ours: our router's --nice
     router_wake_ms: float = 0.0  # ours: our router's --wake-ms (0: off)
     decode_max_batch_size: int = 16
+    decode_batch_buckets: tuple[int, ...] | None = None  # ours: decode workers' --batch-buckets
     kv_blocks: int = 1024
     local_prefill_max_tokens: int = 0    # disaggregated: the router's conditional disaggregation
     local_prefill_queue_tokens: int = 0
@@ -98,6 +99,8 @@ def _aggregated_settings(s: ServeSettings) -> ServeSettings:
 def _decode_args(s: ServeSettings) -> list[str]:
     """Our decode workers' command line options from the settings."""
     decode_args = ["--max-batch-size", str(s.decode_max_batch_size), "--kv-blocks", str(s.kv_blocks)]
+    if s.decode_batch_buckets:
+        decode_args += ["--batch-buckets", ",".join(map(str, s.decode_batch_buckets))]
     if s.prefill_chunk_tokens is not None:
         decode_args += ["--prefill-chunk-tokens", str(s.prefill_chunk_tokens)]
     if s.decode_tpot_target_s is not None:

@@ -148,6 +148,19 @@ def test_the_benchmark_passes_the_target_to_our_decode_workers():
         assert "--tpot-target-ms" not in our_launch_spec(name, ServeSettings()).decode_args
 
 
+def test_the_benchmark_passes_batch_buckets_to_our_decode_workers():
+    from nxdi_bench import cli
+    from nxdi_bench.configs import ServeSettings, our_launch_spec
+    args = cli.build_parser().parse_args(["compare", "--decode-max-batch-size", "32",
+                                          "--decode-batch-buckets", "1,2,4,8,16,32"])
+    assert cli._compare_settings(args).serve.decode_batch_buckets == (1, 2, 4, 8, 16, 32)
+    serve = ServeSettings(decode_max_batch_size=32, decode_batch_buckets=(1, 2, 4, 8, 16, 32))
+    for name in ("disaggregated", "aggregated"):
+        decode_args = our_launch_spec(name, serve).decode_args
+        assert decode_args[decode_args.index("--batch-buckets") + 1] == "1,2,4,8,16,32"
+        assert "--batch-buckets" not in our_launch_spec(name, ServeSettings()).decode_args
+
+
 def test_load_reports_the_local_prefill_tokens_left_and_the_rate_they_go_at(engine):
     """What a router weighs a local prefill by (router.policies.LocalPrefillRule): the prompt
     tokens the local prefills have still to compute, counted from submission, and the prompt
