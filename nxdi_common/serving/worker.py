@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nxdi_common.bucketing import (decode_batch_buckets, parse_buckets, prefill_buckets, quartered_buckets,
-                                   validate_buckets)
+from nxdi_common.bucketing import (decode_batch_buckets, parse_buckets, prefill_buckets,
+                                   quartered_buckets, validate_buckets)
 from nxdi_common.kv_transfer import ModelFingerprint
 from nxdi_common.serving.thread_priority import NICE_RANGE, check_nice, set_process_priority
 
@@ -246,11 +246,11 @@ def decode_neuron_config(opts: ModelOptions, max_batch_size: int, num_blocks: in
                          block_size: int, prefill_chunk_tokens: int = 0,
                          piece_sizes: tuple[int, ...] | None = None,
                          batch_buckets: list[int] | None = None):
-    """Block KV cache of num_blocks blocks; TKG batch buckets up to max_batch_size (batch_buckets,
-    else decode_batch_buckets); CTE (local
-    prefill) one prompt at a time, in pieces of prefill_chunk_tokens (0: whole; no pieces either
-    when a piece would hold any prompt the model takes), beside a running batch in pieces of
-    any of piece_sizes (the mixed sub-model's chunk lengths; None: the chunk alone)."""
+    """Block KV cache of num_blocks blocks; TKG batch buckets batch_buckets (default
+    decode_batch_buckets) up to max_batch_size; CTE (local prefill) one prompt at a time, in
+    pieces of prefill_chunk_tokens (0: whole; no pieces either when a piece would hold any
+    prompt the model takes), beside a running batch in pieces of any of piece_sizes (the mixed
+    sub-model's chunk lengths; None: the chunk alone)."""
     kwargs = {}
     if 0 < prefill_chunk_tokens < opts.max_model_len:
         kwargs["prefill_chunk_size"] = prefill_chunk_tokens
