@@ -225,29 +225,26 @@ def _piece_sizes(args) -> tuple[int, ...] | None:
     if not chunked:
         raise SystemExit(f"--piece-sizes needs local prefill in pieces: --prefill-chunk-tokens "
                          f"between 1 and --max-model-len - 1, got {chunk}")
-    try:
-        sizes = validate_buckets(args.piece_sizes, chunk, "--piece-sizes",
-                                 "--prefill-chunk-tokens")
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-    if sizes[-1] != chunk:
-        raise SystemExit(f"--piece-sizes must end at --prefill-chunk-tokens ({chunk}), got "
-                         f"{sizes}")
-    return tuple(sizes)
+    return tuple(_buckets_ending_at(args.piece_sizes, chunk, "--piece-sizes",
+                                    "--prefill-chunk-tokens"))
 
 
 def _batch_buckets(args) -> list[int] | None:
     """The checked --batch-buckets (None: decode_batch_buckets' default)."""
     if args.batch_buckets is None:
         return None
+    return _buckets_ending_at(args.batch_buckets, args.max_batch_size, "--batch-buckets",
+                              "--max-batch-size")
+
+
+def _buckets_ending_at(buckets, end: int, flag: str, end_flag: str) -> list[int]:
+    """validate_buckets' checks, and the last bucket `end`; SystemExit naming `flag`."""
     try:
-        buckets = validate_buckets(args.batch_buckets, args.max_batch_size, "--batch-buckets",
-                                   "--max-batch-size")
+        buckets = validate_buckets(buckets, end, flag, end_flag)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    if buckets[-1] != args.max_batch_size:
-        raise SystemExit(f"--batch-buckets must end at --max-batch-size "
-                         f"({args.max_batch_size}), got {buckets}")
+    if buckets[-1] != end:
+        raise SystemExit(f"{flag} must end at {end_flag} ({end}), got {buckets}")
     return buckets
 
 
