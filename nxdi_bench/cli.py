@@ -142,7 +142,8 @@ def _server_args(g) -> None:
                         "a core shared with a prefill worker, its threads run sooner than the "
                         "kernel's next tick (default 0: off)")
     g.add_argument("--client-cpus", type=_cpu_list, default=None, metavar="CPUS",
-                   help="pin this load generator to these CPU ids while it drives a "
+                   help="pin this load generator (all its threads, the ones reading the "
+                        "services' output too) to these CPU ids while it drives a "
                         "configuration (every configuration alike); default: not pinned")
     g.add_argument("--decode-max-batch-size", type=int, default=16)
     g.add_argument("--decode-batch-buckets", type=parse_buckets, default=None, metavar="N,N,...",

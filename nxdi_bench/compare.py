@@ -69,19 +69,34 @@ def _meta(s: CompareSettings) -> dict:
             "client_cpus": s.client_cpus}
 
 
+def _threads() -> list[int]:
+    """This process's thread ids (Linux), else only the calling thread (0)."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
 @contextlib.contextmanager
 def pinned(cpus: list[int] | None):
-    """Run the calling thread (the load generator's event loop) on ``cpus`` meanwhile (None:
-    leave it where it is); its affinity before comes back after."""
+    """Run this process on ``cpus`` meanwhile (None: leave it where it is): the load generator's
+    event loop, and every thread already started, such as those draining the services' output
+    (started with the services, before this; left where they were, they ran on the decode
+    worker's core); each thread's affinity before comes back after."""
     if not cpus:
         yield
         return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
+    mine, before = os.sched_getaffinity(0), {}
+    for tid in _threads():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cpus)
     try:
         yield
     finally:
-        os.sched_setaffinity(0, before)
+        for tid in _threads():  # threads started meanwhile get the calling thread's set back
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, before.get(tid, mine))
 
 
 def _run_config(name: str, s: CompareSettings, builder: PromptBuilder, progress) -> tuple[dict, dict]:

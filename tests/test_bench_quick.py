@@ -250,6 +250,7 @@ def test_router_and_client_cpus_and_step_lines_reach_their_processes():
     before comes back after), --decode-log-steps gives our decode workers --log-steps; CPU
     lists this process may not use are refused by name."""
     import os
+    import threading
 
     from nxdi_bench.compare import pinned
     from nxdi_bench.configs import OURS, ServeSettings, our_launch_spec
@@ -269,9 +270,19 @@ def test_router_and_client_cpus_and_step_lines_reach_their_processes():
     assert our_launch_spec("disaggregated", settings.serve).cpus == {
         "prefill0": [0], "decode0": [1], "router": [cpu]}
     before = os.sched_getaffinity(0)
-    with pinned([cpu]):
-        assert os.sched_getaffinity(0) == {cpu}
-    assert os.sched_getaffinity(0) == before
+    started, done = threading.Event(), threading.Event()
+    drain = threading.Thread(target=lambda: (started.set(), done.wait(30)))  # as a log drain
+    drain.start()
+    started.wait(30)
+    try:
+        with pinned([cpu]):
+            assert os.sched_getaffinity(0) == {cpu}
+            assert os.sched_getaffinity(drain.native_id) == {cpu}  # started before: moved too
+        assert os.sched_getaffinity(0) == before
+        assert os.sched_getaffinity(drain.native_id) == before
+    finally:
+        done.set()
+        drain.join()
     with pinned(None):
         assert os.sched_getaffinity(0) == before
     for flag in ("--router-cpus", "--client-cpus"):
