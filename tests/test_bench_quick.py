@@ -246,8 +246,8 @@ def test_replicated_runs_one_decode_worker_per_cpu_and_is_not_in_the_default_set
 def test_router_and_client_cpus_and_step_lines_reach_their_processes():
     """--router-cpus pins our router (every configuration of ours; default: not pinned) and
     --router-nice gives it --nice, --router-wake-ms its --wake-ms,
-    --client-cpus the load generator's thread while it drives a configuration (its affinity
-    before comes back after), --decode-log-steps gives our decode workers --log-steps; CPU
+    --client-cpus every thread of the load generator's process while it drives a
+    configuration, those started before too (each one's affinity before comes back after), --decode-log-steps gives our decode workers --log-steps; CPU
     lists this process may not use are refused by name."""
     import os
     import threading

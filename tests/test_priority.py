@@ -172,7 +172,7 @@ def test_a_later_request_of_a_better_priority_takes_the_slot_first(cluster):
     assert len(low) == len(high) == 20
     # both had their first token (from the prefill worker) while the holder still ran
     assert max(low[0], high[0]) < holder[-1]
-    # one slot: whichever runs first has all its later tokens before the other's second one.
+    # one slot: whichever runs first streams its later tokens before the other's second one.
     # (Not high[-1] < low[1]: the two streams reach the client over two connections, and the
     # router may pass high's last chunk a millisecond after the low one's next token.)
     assert high[1] < low[1] and high[-1] < low[-1], \
