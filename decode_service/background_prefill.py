@@ -36,7 +36,7 @@ from collections import deque
 
 from nxdi_common.serving.rates import PrefillRate
 from nxdi_common.serving.thread_priority import IDLE, check_nice as check_thread_nice
-from nxdi_common.serving.thread_priority import set_thread_priority
+from nxdi_common.serving.thread_priority import mark_bulk_thread, set_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,7 @@ class BackgroundPrefill:
     def _run(self) -> None:
         from nxdi_common.serving.compute import use_torch_threads  # torch: this module is not
         use_torch_threads(1)  # (nxdi-bench validates --decode-local-prefill-nice with it)
+        mark_bulk_thread()
         try:
             set_thread_priority(self.nice)
         except (AttributeError, OSError) as exc:  # not Linux-like: it runs at the same priority

@@ -499,5 +499,6 @@ def main(argv=None) -> int:
     worker.apply_nice(args.nice)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker.apply_wakeup_slice(args.wakeup_slice_us)
     asyncio.run(serve(args))
     return 0

@@ -22,7 +22,8 @@ import uvicorn
 from nxdi_common.serving.grpc_server import (GrpcServer, freeze_startup_heap, install_shutdown,
                                               print_ready)
 from nxdi_common.serving.metrics import ServingMetrics
-from nxdi_common.serving.worker import (add_model_args, apply_nice, model_options_from_args,
+from nxdi_common.serving.worker import (add_model_args, add_wakeup_slice_arg, apply_nice,
+                                        apply_wakeup_slice, model_options_from_args,
                                         process_nice, wake_interval_ms)
 from router import convert
 from router.admission import AdmissionQueue
@@ -267,6 +268,7 @@ def add_process_args(g) -> None:
                    help="OS nice value (0-19) of the router, every thread of it (and its "
                         "autogroup when it leads its session): e.g. below a "
                         "decode worker whose core it shares (default: unchanged)")
+    add_wakeup_slice_arg(g)
     g.add_argument("--wake-ms", type=wake_interval_ms, default=0.0, metavar="MS",
                    help="wake the router's event loop every MS milliseconds (0, the default: "
                         "never). Where the router shares a core with a CPU-bound worker, a "
@@ -366,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     apply_nice(args.nice)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
+    apply_wakeup_slice(args.wakeup_slice_us)
     if args.no_request_log:
         logging.getLogger("router.requests").setLevel(logging.WARNING)
     try:

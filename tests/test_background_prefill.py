@@ -15,7 +15,8 @@ import hf_reference
 from decode_service import main
 from decode_service.background_prefill import StepPacer, check_nice, parse_nice
 from hf_reference import greedy
-from nxdi_common.serving.thread_priority import autogroup_nice
+from nxdi_common.serving.thread_priority import (DEFAULT_WAKEUP_SLICE_US, autogroup_nice,
+                                                 thread_slice_us)
 from nxdi_common.serving.types import DecodeJob, SamplingOptions, StopOptions
 
 BLOCK = 16
@@ -513,6 +514,11 @@ def thread_nices(pid: int) -> dict[int, int]:
     return nices
 
 
+def thread_slices(pid: int) -> dict[int, int | None]:
+    """Each thread of process ``pid``: its scheduler slice in microseconds."""
+    return {int(task): thread_slice_us(int(task)) for task in os.listdir(f"/proc/{pid}/task")}
+
+
 def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(
         spawn_module, tiny_chat_model, reference):
     """The router keeps short prompts on the decode worker (--local-prefill-always-tokens);
@@ -525,11 +531,13 @@ def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(
               "--threads", "1", "--max-model-len", 512)
     decode = spawn_module("decode_service", *common, "--kv-blocks", 256,
                           "--prefill-chunk-tokens", 32, "--local-prefill-nice", 5)
-    prefill = spawn_module("prefill_service", *common, "--nice", 3)  # below the router
+    prefill = spawn_module("prefill_service", *common, "--nice", 3,  # below the router
+                           "--wakeup-slice-us", 0)
     router = spawn_module("router", "--model", tiny_chat_model, "--max-model-len", 512,
                           "--model-name", "tiny", "--http-port", 0, "--grpc-port", 0,
                           "--decode", decode.grpc, "--prefill", prefill.grpc,
-                          "--local-prefill-always-tokens", 256, "--nice", 2, "--wake-ms", 1)
+                          "--local-prefill-always-tokens", 256, "--nice", 2, "--wake-ms", 1,
+                          "--wakeup-slice-us", 200)
     http = router.info["http"]
     # --wake-ms 1: the router's loop thread wakes every ms though no request comes
     switches = loop_thread_switches(router.proc.pid)
@@ -558,6 +566,16 @@ def test_a_disaggregated_pair_serves_short_prompts_locally_beside_the_streams(
     for prompt, reply in zip(prompts, replies):
         assert reply.json()["choices"][0]["text"] == tokenizer.decode(
             greedy(reference, prompt, 16), skip_special_tokens=True)
+    default = thread_slice_us()  # this process's: the kernel's default slice
+    if default is not None and default != DEFAULT_WAKEUP_SLICE_US:  # Linux 6.12+: custom slices
+        # --wakeup-slice-us: every thread of the router; none of the prefill worker's (0); the
+        # decode worker's event loop (its main thread) at the default 100 us, its compute and
+        # local prefill threads at the kernel's default
+        assert set(thread_slices(router.proc.pid).values()) == {200}
+        assert set(thread_slices(prefill.proc.pid).values()) == {default}
+        slices = thread_slices(decode.proc.pid)
+        assert slices[decode.proc.pid] == DEFAULT_WAKEUP_SLICE_US
+        assert list(slices.values()).count(default) >= 2, slices
 
 
 def loop_thread_switches(pid: int) -> int:

@@ -22,6 +22,8 @@ import concurrent.futures
 import queue
 import threading
 
+from nxdi_common.serving.thread_priority import mark_bulk_thread
+
 __all__ = ["ComputeThread", "run_loop", "use_torch_threads"]
 
 
@@ -68,6 +70,7 @@ class ComputeThread:
         return self._thread.ident
 
     def _serve(self, threads: int | None, ready: concurrent.futures.Future) -> None:
+        mark_bulk_thread()  # the kernel's default slice: its torch threads inherit it
         try:
             ready.set_result(use_torch_threads(threads))
         except BaseException as exc:  # noqa: BLE001 - reported to the creator

@@ -63,8 +63,12 @@ def check_nice(nice: int | None) -> int | None:
     return thread_priority.check_nice(nice, "KV receive nice", "the process's own")
 
 
-def _set_thread_nice(nice: int) -> None:
-    """The calling thread's nice value (Linux: per thread); a warning where the OS refuses."""
+def _transfer_thread(nice: int | None) -> None:
+    """A transfer thread's start: the kernel's default slice (thread_priority.mark_bulk_thread)
+    and, if given, nice ``nice`` (Linux: per thread); a warning where the OS refuses it."""
+    thread_priority.mark_bulk_thread()
+    if nice is None:
+        return
     try:
         thread_priority.set_thread_priority(nice)
     except (OSError, AttributeError) as exc:
@@ -77,8 +81,7 @@ def _transfer_executor(nice: int | None = None) -> ThreadPoolExecutor:
             _executors[nice] = ThreadPoolExecutor(
                 MAX_TRANSFER_THREADS,
                 thread_name_prefix="kv-socket" if nice is None else f"kv-socket-nice{nice}",
-                initializer=None if nice is None else _set_thread_nice,
-                initargs=() if nice is None else (nice,))
+                initializer=_transfer_thread, initargs=(nice,))
         return _executors[nice]
 
 
