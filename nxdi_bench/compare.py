@@ -20,6 +20,7 @@ from nxdi_bench.metrics import SLO
 from nxdi_bench.report import markdown_table, write_plots
 from nxdi_bench.runs import Runner, SweepSettings
 from nxdi_bench.workloads import PromptBuilder, Workload
+from nxdi_common.serving.thread_priority import thread_ids
 
 __all__ = ["CompareSettings", "compare", "machine_description", "QUICK_SWEEP"]
 
@@ -69,14 +70,6 @@ def _meta(s: CompareSettings) -> dict:
             "client_cpus": s.client_cpus}
 
 
-def _threads() -> list[int]:
-    """This process's thread ids (Linux), else only the calling thread (0)."""
-    try:
-        return [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        return [0]
-
-
 @contextlib.contextmanager
 def pinned(cpus: list[int] | None):
     """Run this process on ``cpus`` meanwhile (None: leave it where it is): the load generator's
@@ -87,14 +80,14 @@ def pinned(cpus: list[int] | None):
         yield
         return
     mine, before = os.sched_getaffinity(0), {}
-    for tid in _threads():
+    for tid in thread_ids():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             before[tid] = os.sched_getaffinity(tid)
             os.sched_setaffinity(tid, cpus)
     try:
         yield
     finally:
-        for tid in _threads():  # threads started meanwhile get the calling thread's set back
+        for tid in thread_ids():  # threads started meanwhile get the calling thread's set back
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(tid, before.get(tid, mine))
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import os
 import platform
@@ -53,6 +54,15 @@ _SCHED_SETATTR_GETATTR = {"x86_64": (314, 315), "aarch64": (274, 275)}
 _FAIR_POLICIES = (getattr(os, "SCHED_OTHER", 0), getattr(os, "SCHED_BATCH", 3),
                   getattr(os, "SCHED_IDLE", 5))
 _bulk_threads: set[int] = set()  # native ids of threads that keep the default slice
+
+
+def thread_ids() -> list[int]:
+    """The native ids of this process's threads (/proc/self/task); without /proc only the
+    calling thread's, which the threads it starts later inherit from."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [threading.get_native_id()]
 
 
 def check_nice(nice, setting: str, unset: str, allow_idle: bool = False):
@@ -84,11 +94,7 @@ def set_process_priority(nice: int) -> None:
     afterwards inherit it too (a nice value is per thread on Linux; the threads imports have
     started already are set one by one) and, where the process leads its session, on its
     autogroup (set_autogroup_nice). PermissionError where it would raise one."""
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [threading.get_native_id()]  # no /proc: the calling thread, which later ones inherit
-    for tid in tids:
+    for tid in thread_ids():
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.setpriority(os.PRIO_PROCESS, tid, nice)
     try:
@@ -137,6 +143,11 @@ def check_slice_us(slice_us: int, setting: str = "--wakeup-slice-us") -> int:
     return slice_us
 
 
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _sched_attr_syscalls() -> tuple[int, int] | None:
     if not hasattr(os, "sched_setaffinity"):  # not Linux
         return None
@@ -149,9 +160,8 @@ def _sched_getattr(tid: int) -> tuple | int | None:
     calls = _sched_attr_syscalls()
     if calls is None:
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(_SCHED_ATTR.size)
-    if libc.syscall(calls[1], tid, buf, _SCHED_ATTR.size, 0) != 0:
+    if _libc().syscall(calls[1], tid, buf, _SCHED_ATTR.size, 0) != 0:
         return ctypes.get_errno()
     return _SCHED_ATTR.unpack(buf.raw)
 
@@ -182,8 +192,7 @@ def set_thread_slice(slice_us: int, tid: int = 0) -> bool:
         return False
     packed = ctypes.create_string_buffer(_SCHED_ATTR.pack(
         _SCHED_ATTR.size, policy, 0, nice, priority, slice_us * 1000, 0, 0, 0, 0))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(_sched_attr_syscalls()[0], tid, packed, 0) != 0:
+    if _libc().syscall(_sched_attr_syscalls()[0], tid, packed, 0) != 0:
         err = ctypes.get_errno()
         if err in (errno.ENOSYS, errno.EINVAL, errno.E2BIG):
             return False
@@ -205,10 +214,7 @@ def set_process_slice(slice_us: int) -> bool:
     of ``slice_us`` microseconds (0: the kernel's default); threads started later inherit their
     creator's. True where the kernel took it, False where it has no custom slices."""
     check_slice_us(slice_us, "slice_us")
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [threading.get_native_id()]
+    tids = thread_ids()
     _bulk_threads.intersection_update(tids)  # ended ones: their ids may come back for others
     took = False
     for tid in tids:
