@@ -24,7 +24,7 @@ from nxdi_bench.configs import AGGREGATED_LOCAL_PREFILL
 from nxdi_common.bucketing import parse_buckets
 from nxdi_common.serving.launcher_process import parse_cpu_list
 from nxdi_common.serving.worker import process_nice as worker_nice
-from nxdi_common.serving.worker import wake_interval_ms
+from nxdi_common.serving.worker import wake_interval_ms, wakeup_slice_us
 from nxdi_bench.metrics import SLO
 from nxdi_bench.runs import Runner, SweepSettings
 from nxdi_bench.workloads import WORKLOADS, PromptBuilder, get_workload
@@ -145,6 +145,12 @@ def _server_args(g) -> None:
                    help="pin this load generator (all its threads, the ones reading the "
                         "services' output too) to these CPU ids while it drives a "
                         "configuration (every configuration alike); default: not pinned")
+    g.add_argument("--client-slice-us", type=wakeup_slice_us, default=0, metavar="US",
+                   help="this load generator's threads' scheduler slice in microseconds while "
+                        "it drives a configuration (every configuration alike; Linux 6.12+), "
+                        "so that a woken client thread on a core where a server computes reads "
+                        "its tokens at once instead of after the running thread's slice, as a "
+                        "remote client would; 0 (default): the kernel's")
     g.add_argument("--decode-max-batch-size", type=int, default=16)
     g.add_argument("--decode-batch-buckets", type=parse_buckets, default=None, metavar="N,N,...",
                    help="our decode workers' --batch-buckets (the running batch sizes a step is "
@@ -389,7 +395,7 @@ def _compare_settings(args):
         f"{workload.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     return CompareSettings(configs=configs, workload=workload, slo=_slo(args), sweep=sweep,
                            serve=serve, out_dir=out_dir, cdf_rate=args.cdf_rate,
-                           client_cpus=args.client_cpus)
+                           client_cpus=args.client_cpus, client_slice_us=args.client_slice_us)
 
 
 def cmd_compare(args) -> int:

@@ -20,7 +20,7 @@ from nxdi_bench.metrics import SLO
 from nxdi_bench.report import markdown_table, write_plots
 from nxdi_bench.runs import Runner, SweepSettings
 from nxdi_bench.workloads import PromptBuilder, Workload
-from nxdi_common.serving.thread_priority import thread_ids
+from nxdi_common.serving.thread_priority import set_process_slice, thread_ids
 
 __all__ = ["CompareSettings", "compare", "machine_description", "QUICK_SWEEP"]
 
@@ -40,6 +40,7 @@ class CompareSettings:
     out_dir: Path
     cdf_rate: float | None = None       # None: the highest rate every configuration ran
     client_cpus: list[int] | None = None  # the load generator's CPUs while it runs (None: any)
+    client_slice_us: int = 0  # the load generator's threads' scheduler slice meanwhile (0: default)
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
 
@@ -67,7 +68,7 @@ def _meta(s: CompareSettings) -> dict:
             "workload_classes": [asdict(c) for c in s.workload.classes],
             "slo": asdict(s.slo), "sweep": asdict(s.sweep),
             "serve": {k: v for k, v in asdict(s.serve).items()},
-            "client_cpus": s.client_cpus}
+            "client_cpus": s.client_cpus, "client_slice_us": s.client_slice_us}
 
 
 @contextlib.contextmanager
@@ -92,9 +93,29 @@ def pinned(cpus: list[int] | None):
                 os.sched_setaffinity(tid, before.get(tid, mine))
 
 
+@contextlib.contextmanager
+def sliced(slice_us: int, progress):
+    """Give this process's threads a scheduler slice of ``slice_us`` microseconds meanwhile
+    (thread_priority.set_process_slice; 0: leave them as they are), the kernel's default after.
+    Why: the client shares a core with the prefill worker and the router, and a woken thread
+    with the default slice can wait out the running one's slice until the kernel's next tick
+    (session 73: p90 3.6 ms on one core), time a remote client would not add to the gaps it
+    records."""
+    if not slice_us:
+        yield
+        return
+    if not set_process_slice(slice_us):
+        progress(f"client slice {slice_us} us: not available on this kernel (Linux 6.12+ has "
+                 "it); unchanged")
+    try:
+        yield
+    finally:
+        set_process_slice(0)
+
+
 def _run_config(name: str, s: CompareSettings, builder: PromptBuilder, progress) -> tuple[dict, dict]:
     with serve(name, s.serve, progress, s.out_dir / "logs" / f"{name}.log") as target, \
-            pinned(s.client_cpus):
+            pinned(s.client_cpus), sliced(s.client_slice_us, progress):
         runner = Runner(target, s.workload, builder, s.slo, s.sweep, label=name)
         progress(f"[{name}] serving at {target.base_url} (model {target.model}); warming up")
         runner.warm_up()

@@ -297,3 +297,41 @@ def test_router_and_client_cpus_and_step_lines_reach_their_processes():
             cli.build_parser().parse_args(["compare", "--router-wake-ms", bad])
     with pytest.raises(argparse.ArgumentTypeError, match=r"CPUs \[\d+\] are not available"):
         cli._cpu_list(str(max(before) + 1000))
+
+
+def test_client_slice_reaches_every_thread_of_the_load_generator_and_is_given_back():
+    """--client-slice-us gives every thread of the load generator's process (those started
+    before too, such as the services' log drains) that scheduler slice while it drives a
+    configuration, and the kernel's default back after; 0 (the default) leaves them alone;
+    values out of range are refused."""
+    import threading
+
+    from nxdi_bench.compare import sliced
+    from nxdi_common.serving.thread_priority import thread_slice_us
+    settings = cli._compare_settings(cli.build_parser().parse_args(
+        ["compare", "--client-slice-us", "150"]))
+    assert settings.client_slice_us == 150
+    assert cli._compare_settings(cli.build_parser().parse_args(["compare"])).client_slice_us == 0
+    for bad in ("50", "-1", "x", "200000"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["compare", "--client-slice-us", bad])
+    default = thread_slice_us()
+    if default is None:
+        notes = []
+        with sliced(150, notes.append):  # no custom slices: said, nothing raised
+            pass
+        assert notes and "not available" in notes[0]
+        pytest.skip("a kernel with EEVDF custom slices (Linux 6.12+) needed for the rest")
+    started, done = threading.Event(), threading.Event()
+    drain = threading.Thread(target=lambda: (started.set(), done.wait(30)))  # as a log drain
+    drain.start()
+    started.wait(30)
+    try:
+        with sliced(0, pytest.fail):
+            assert thread_slice_us() == default == thread_slice_us(drain.native_id)
+        with sliced(150, pytest.fail):
+            assert thread_slice_us() == 150 == thread_slice_us(drain.native_id)
+        assert thread_slice_us() == default == thread_slice_us(drain.native_id)
+    finally:
+        done.set()
+        drain.join()
