@@ -148,9 +148,9 @@ def _server_args(g) -> None:
     g.add_argument("--client-slice-us", type=wakeup_slice_us, default=0, metavar="US",
                    help="this load generator's threads' scheduler slice in microseconds while "
                         "it drives a configuration (every configuration alike; Linux 6.12+), "
-                        "so that a woken client thread on a core where a server computes reads "
-                        "its tokens at once instead of after the running thread's slice, as a "
-                        "remote client would; 0 (default): the kernel's")
+                        "meant to wake a client thread sharing a server's core sooner; "
+                        "BENCHMARKS.md issue 4 session 74 measured no change in late "
+                        "deliveries with it; 0 (default): the kernel's")
     g.add_argument("--decode-max-batch-size", type=int, default=16)
     g.add_argument("--decode-batch-buckets", type=parse_buckets, default=None, metavar="N,N,...",
                    help="our decode workers' --batch-buckets (the running batch sizes a step is "

@@ -100,7 +100,7 @@ def sliced(slice_us: int, progress):
     Why: the client shares a core with the prefill worker and the router, and a woken thread
     with the default slice can wait out the running one's slice until the kernel's next tick
     (session 73: p90 3.6 ms on one core), time a remote client would not add to the gaps it
-    records."""
+    records. Session 74 measured no change in the late deliveries with it (off by default)."""
     if not slice_us:
         yield
         return
