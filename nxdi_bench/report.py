@@ -52,7 +52,25 @@ def markdown_table(results: dict) -> str:
     slo = meta["slo"]
     head = (f"Workload `{meta['workload']}`, SLO: TTFT <= {slo['ttft_s']} s and TPOT <= "
             f"{slo['tpot_s'] * 1000:.0f} ms for >= {_pct(slo['attainment'])} of requests.")
-    return head + "\n\n" + "\n".join(rows) + "\n"
+    return head + "\n" + placement(meta) + "\n\n" + "\n".join(rows) + "\n"
+
+
+def _cpus(cpus: list[int] | None) -> str:
+    """ "on CPU 0" / "on CPUs 0,1", or "not pinned" (None or empty)."""
+    if not cpus:
+        return "not pinned"
+    return f"on CPU{'s' if len(cpus) > 1 else ''} " + ",".join(map(str, cpus))
+
+
+def placement(meta: dict) -> str:
+    """Where the run put its processes: the configurations' cores, our router's, and the load
+    generator's. It belongs beside the figures: the client's placement alone moved a peer's
+    goodput 2.7x (BENCHMARKS.md issue 4, session 74)."""
+    serve = meta.get("serve", {})
+    return (f"Served {_cpus(serve.get('cpus'))} (disaggregated: the prefill worker on the first, "
+            f"the decode worker on the last); our router {_cpus(serve.get('router_cpus'))}; "
+            f"the load generator {_cpus(meta.get('client_cpus'))} (alike for every "
+            f"configuration).")
 
 
 def _cdf(ax, values: list[float], label: str) -> None:

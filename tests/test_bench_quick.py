@@ -335,3 +335,25 @@ def test_client_slice_reaches_every_thread_of_the_load_generator_and_is_given_ba
     finally:
         done.set()
         drain.join()
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], "Served on CPUs 0,1 (disaggregated: the prefill worker on the first, the decode worker "
+         "on the last); our router not pinned; the load generator not pinned"),
+    (["--router-cpus", "0", "--client-cpus", "0"],
+     "our router on CPU 0; the load generator on CPU 0 (alike for every configuration)")])
+def test_the_table_says_where_the_run_put_the_router_and_the_load_generator(flags, expected):
+    """The headline table states the placement it was measured with (session 74: the client's
+    pin alone moved vLLM CPU's goodput 2.7x), from the run's own settings."""
+    import os
+
+    from nxdi_bench.compare import _meta
+    from nxdi_bench.report import markdown_table
+    cpu = min(os.sched_getaffinity(0))
+    flags = [f if f != "0" else str(cpu) for f in flags]
+    expected = expected.replace("CPU 0", f"CPU {cpu}")
+    settings = cli._compare_settings(cli.build_parser().parse_args(
+        ["compare", "--cpus", "0,1", *flags]))
+    meta = json.loads(json.dumps(_meta(settings)))  # as results.json holds it
+    head = markdown_table({"meta": meta, "configs": {}}).splitlines()
+    assert expected in head[1]
