@@ -188,8 +188,9 @@ class EngineConfig:
     # longer (module doc); 1: never past it.
     pace_stretch: float = PACE_STRETCH
     # Log a line for every decode step (logger decode_service.steps, INFO): its wall-clock end,
-    # its seconds, rows and calls, the pause before it and the local prompts waiting; to line
-    # a client's inter-token gaps up with the steps that made them.
+    # its seconds, rows and calls, the pause before it, the local prompts waiting and the
+    # prompt tokens of a piece computed in the same call (a mixed step; 0 for a plain one); to
+    # line a client's inter-token gaps up with the steps that made them.
     log_steps: bool = False
 
     def __post_init__(self):
@@ -684,6 +685,8 @@ class DecodeEngine:
                 self._measured_piece(time.perf_counter() - began, end - start)
             return False
         self._guarded(self._mixed_step, [seq] + batch, (piece, batch))
+        if self.config.log_steps:
+            self._log_step(time.perf_counter() - began, len(batch), 1, end - start)
         self._measured_local(end - start)
         if self.step_s is not None:  # what the piece (padded) added to the step
             self._measured_piece(time.perf_counter() - began - self.step_s,
@@ -714,12 +717,13 @@ class DecodeEngine:
                 if self._past_budget:  # beside a prompt that asked for the steps held
                     self.metrics.hold_budget_steps_total.inc()
 
-    def _log_step(self, seconds: float, rows: int, calls: int) -> None:
+    def _log_step(self, seconds: float, rows: int, calls: int, piece: int = 0) -> None:
         """EngineConfig.log_steps: one line for the step that just ended (the pauses before it
-        since the previous one, and the local prompts waiting, with it)."""
+        since the previous one, and the local prompts waiting, with it); ``piece``: the prompt
+        tokens of a local prefill piece computed in the same call (a mixed step), else 0."""
         local = len(self._background) if self._background is not None else len(self._local)
-        step_log.info("step end=%.6f seconds=%.6f rows=%d calls=%d paused=%.6f local=%d",
-                      time.time(), seconds, rows, calls, self._paused_s, local)
+        step_log.info("step end=%.6f seconds=%.6f rows=%d calls=%d paused=%.6f local=%d piece=%d",
+                      time.time(), seconds, rows, calls, self._paused_s, local, piece)
         self._paused_s = 0.0
 
     def _next_batch(self) -> list[Sequence]:

@@ -66,8 +66,10 @@ def parse_args(argv=None):
                    "the batch and a step, and the time to first token grows by as much")
     p.add_argument("--log-steps", action="store_true",
                    help="log a line for every decode step (logger decode_service.steps): its "
-                   "wall-clock end, seconds, rows and calls, the paced pause before it and the "
-                   "local prompts waiting; to line a client's token gaps up with the steps")
+                   "wall-clock end, seconds, rows and calls, the paced pause before it, the "
+                   "local prompts waiting and the tokens of a prompt piece computed in the same "
+                   "call (mixed steps; 0 for plain ones); to line a client's token gaps up with "
+                   "the steps")
     _add_local_prefill_args(p.add_argument_group("local prefill"))
     p.add_argument("--max-chunk-bytes", type=int, default=kv_transfer.DEFAULT_MAX_CHUNK_BYTES)
     p.add_argument("--kv-socket", choices=("on", "off"), default="on",

@@ -474,7 +474,7 @@ def test_log_steps_writes_a_line_for_every_decode_step(tiny_chat_model, caplog):
     waiting; none without the flag."""
     import re
     line = re.compile(r"step end=(\d+\.\d{6}) seconds=(\d+\.\d{6}) rows=(\d+) calls=(\d+) "
-                      r"paused=(\d+\.\d{6}) local=(\d+)$")
+                      r"paused=(\d+\.\d{6}) local=(\d+) piece=0$")
     for flags in ((), ("--log-steps",)):
         engine = build(tiny_chat_model, "--itl-target-ms", "20", *flags)
         caplog.clear()
@@ -499,7 +499,7 @@ def test_log_steps_writes_a_line_for_every_decode_step(tiny_chat_model, caplog):
             with caplog.at_level("INFO", logger="decode_service.steps"):
                 engine._log_step(0.012, 2, 1)
             assert caplog.records[-1].getMessage().endswith(
-                "seconds=0.012000 rows=2 calls=1 paused=0.004000 local=0")
+                "seconds=0.012000 rows=2 calls=1 paused=0.004000 local=0 piece=0")
             assert engine._paused_s == 0.0
         finally:
             engine.stop()

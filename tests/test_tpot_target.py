@@ -277,6 +277,29 @@ def test_a_sized_piece_runs_beside_the_batch_and_its_cost_is_measured(itl_engine
         forget(engine, run, prompt)
 
 
+def test_log_steps_writes_mixed_steps_with_their_piece(tiny_chat_model, caplog):
+    """--log-steps logs a mixed call (a prompt piece with the running batch's step) as a step
+    too, with the piece's prompt tokens; a plain decode step has piece=0. Before, mixed steps
+    had no line, and an aggregated worker's tokens from them looked like long pauses."""
+    engine = build(tiny_chat_model, "--itl-target-ms", "50", "--piece-sizes", "4,8,16",
+                   "--log-steps")
+    run = running_sequence(engine, "run", tokens=1, max_tokens=50, first_token_ago_s=0.0)
+    prompt = engine.admit(DecodeJob("piece", tuple(range(300, 340))), 4, lambda event: None)
+    try:
+        with caplog.at_level("INFO", logger="decode_service.steps"):
+            engine._decode_calls()
+            engine._local.append(prompt)
+            piece = engine._plan_piece()
+            assert piece == (prompt, 0, 4) and engine._local_piece(piece)
+        lines = [r.getMessage() for r in caplog.records if r.name == "decode_service.steps"]
+        assert len(lines) == 2 and len(run.generated) == 3
+        assert lines[0].endswith(" rows=1 calls=1 paused=0.000000 local=0 piece=0")
+        assert lines[1].endswith(" rows=1 calls=1 paused=0.000000 local=1 piece=4")  # 36 to go
+    finally:
+        forget(engine, run, prompt)
+        engine.stop()
+
+
 def test_pieces_grow_where_waiting_local_prompts_would_miss_the_ttft_target(tiny_chat_model):
     """With --ttft-target-ms the ITL-sized piece (4 here: 40 + 8 ms fits 50, 8 tokens do not)
     grows to the smallest length whose rate (tokens per step with it) finishes every waiting
