@@ -424,7 +424,7 @@ def ensure_installed(peer: str, progress: Progress = print,
 # ------------------------------------------------------------------------------- serving
 
 
-def _cpu_list(cpus: Sequence[int]) -> str:
+def format_cpu_list(cpus: Sequence[int]) -> str:
     """A CPU list in the kernel's notation: [0, 1, 2, 5] -> '0-2,5'."""
     ordered = sorted(set(int(c) for c in cpus))
     if not ordered:
@@ -460,7 +460,7 @@ def peer_command(peer: str, python: str | os.PathLike, *, model_dir: str | os.Pa
                 "--dtype", dtype, "--max-model-len", str(max_model_len),
                 "--host", LOOPBACK, "--port", str(port)]
         env.update({
-            "VLLM_CPU_OMP_THREADS_BIND": _cpu_list(cpus),
+            "VLLM_CPU_OMP_THREADS_BIND": format_cpu_list(cpus),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KVCACHE_GIB),
             "VLLM_CACHE_ROOT": str(peer_root(cache_dir) / "vllm-cache"),
@@ -602,9 +602,10 @@ def start_peer(peer: str, *, model_dir: str | os.PathLike, gguf_path: str | os.P
     def say(message: str) -> None:
         progress(f"[{peer}] [{time.monotonic() - start:6.1f}s] {message}")
 
-    say(f"starting on CPUs {_cpu_list(cpus)}, port {port} (log: {log_path})")
+    say(f"starting on CPUs {format_cpu_list(cpus)}, port {port} (log: {log_path})")
     with open(log_path, "ab") as log:
-        log.write(f"$ {' '.join(argv)}\n# env {extra_env}\n# cpus {_cpu_list(cpus)}\n".encode())
+        log.write(f"$ {' '.join(argv)}\n# env {extra_env}\n"
+                  f"# cpus {format_cpu_list(cpus)}\n".encode())
         log.flush()
         process = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

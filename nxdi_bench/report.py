@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nxdi_bench.peers import format_cpu_list
+
 __all__ = ["markdown_table", "write_plots"]
 
 
@@ -56,10 +58,10 @@ def markdown_table(results: dict) -> str:
 
 
 def _cpus(cpus: list[int] | None) -> str:
-    """ "on CPU 0" / "on CPUs 0,1", or "not pinned" (None or empty)."""
+    """ "on CPU 0" / "on CPUs 0-1" (the kernel's notation), or "not pinned" (None or empty)."""
     if not cpus:
         return "not pinned"
-    return f"on CPU{'s' if len(cpus) > 1 else ''} " + ",".join(map(str, cpus))
+    return f"on CPU{'s' if len(cpus) > 1 else ''} {format_cpu_list(cpus)}"
 
 
 def placement(meta: dict) -> str:

@@ -60,11 +60,11 @@ def test_llama_cpp_command(tmp_path):
 
 
 def test_cpu_list_notation():
-    assert peers._cpu_list([0]) == "0"
-    assert peers._cpu_list([1, 0]) == "0-1"
-    assert peers._cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert peers.format_cpu_list([0]) == "0"
+    assert peers.format_cpu_list([1, 0]) == "0-1"
+    assert peers.format_cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     with pytest.raises(ValueError):
-        peers._cpu_list([])
+        peers.format_cpu_list([])
 
 
 def test_unknown_peer_is_rejected(tmp_path):

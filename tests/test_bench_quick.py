@@ -338,7 +338,7 @@ def test_client_slice_reaches_every_thread_of_the_load_generator_and_is_given_ba
 
 
 @pytest.mark.parametrize("flags, expected", [
-    ([], "Served on CPUs 0,1 (disaggregated: the prefill worker on the first, the decode worker "
+    ([], "Served on CPUs 0-1 (disaggregated: the prefill worker on the first, the decode worker "
          "on the last); our router not pinned; the load generator not pinned"),
     (["--router-cpus", "0", "--client-cpus", "0"],
      "our router on CPU 0; the load generator on CPU 0 (alike for every configuration)")])
